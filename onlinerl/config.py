@@ -1,0 +1,304 @@
+"""One typed configuration for every onlinerl component.
+
+The shape is exactly the ``OnlineRLJob`` spec (camelCase keys), so the operator can hand a pod its slice of the
+custom resource verbatim, and ``make run`` can use the same file locally. Values come from, in order of precedence:
+environment variables ``ONLINERL__SECTION__FIELD=value`` (value parsed as YAML), a YAML file, then defaults.
+An invalid value fails at start-up with the field path and the reason (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+ENV_PREFIX = "ONLINERL__"
+CONFIG_ENV = "ONLINERL_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot start: each line names a field path and the reason."""
+
+
+class _Section(BaseModel):
+    """Base: camelCase in YAML/CRD, snake_case in Python, unknown keys rejected (typos fail loudly)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False)
+
+
+class ModelConfig(_Section):
+    """Which weights to serve and train. ``path`` is any Hugging Face folder; empty means the bootstrapped SmolLM2."""
+
+    path: str = ""
+    served_name: str = "onlinerl-base"
+    fim_template: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=256, le=131072)
+
+
+class RedisConfig(_Section):
+    """Where the streams live. Empty ``url`` locally means: start the embedded valkey."""
+
+    url: str = ""
+    rollout_ttl_seconds: int = Field(1800, ge=900, description="Rollout records must outlive Continue's 10 s reject window by far.")
+    connect_timeout_seconds: float = Field(2.0, gt=0)
+
+
+class AuthConfig(_Section):
+    """Bearer keys shared by serving and feedback: a YAML file ``{tenants: {name: {keys: [...]}}}``."""
+
+    api_keys_file: str = ""
+    allow_anonymous: bool = False
+
+
+class ServingLoraConfig(_Section):
+    max_rank: int = Field(16, ge=1, le=256)
+    max_loras: int = Field(4, ge=1, le=64)
+
+
+class ServingConfig(_Section):
+    """Gateway in front of vLLM; only ``port`` is exposed outside the pod."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    engine_url: str = "http://127.0.0.1:8001"
+    replicas: int = Field(1, ge=0, le=1000)
+    max_prompt_chars: int = Field(32768, ge=1)
+    max_tokens_cap: int = Field(4096, ge=1, le=131072)
+    request_timeout_seconds: float = Field(60.0, gt=0)
+    engine_connect_timeout_seconds: float = Field(2.0, gt=0)
+    retry_after_seconds: int = Field(2, ge=1)
+    weights_mode: Literal["lora", "full"] = "lora"
+    lora: ServingLoraConfig = Field(default_factory=ServingLoraConfig)
+    keep_versions: int = Field(3, ge=1, le=64)
+    max_load_failures: int = Field(3, ge=1)
+    drain_timeout_seconds: float = Field(120.0, ge=0)
+    vllm_args: list[str] = Field(default_factory=list)
+
+
+class RewardConfig(_Section):
+    """Reward per outcome. ``cursor`` (default) lets the policy learn when to stay silent; ``rlinf`` is the seed's 1/0."""
+
+    preset: Literal["cursor", "rlinf", "custom"] = "cursor"
+    accepted: float = 0.75
+    rejected: float = -0.25
+    empty: float = 0.0
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> RewardConfig:
+        if self.preset == "rlinf":
+            self.accepted, self.rejected, self.empty = 1.0, 0.0, 0.0
+        elif self.preset == "cursor":
+            self.accepted, self.rejected, self.empty = 0.75, -0.25, 0.0
+        return self
+
+
+class FeedbackConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(8002, ge=1, le=65535)
+    replicas: int = Field(1, ge=0, le=1000)
+    max_body_bytes: int = Field(256 * 1024, ge=1024)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    train_unmatched: bool = Field(False, description="Poisoning guard: events matching no served completion are audited only.")
+    max_backlog: int = Field(200_000, ge=1, description="Unconsumed samples above this answer 429.")
+    dedupe_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
+    retry_after_seconds: int = Field(2, ge=1)
+
+
+class StalenessConfig(_Section):
+    max_versions: int = Field(4, ge=0)
+    mode: Literal["drop", "truncate"] = "drop"
+    truncate_weight: float = Field(1.0, gt=0, description="Cap on the importance weight of a stale sample.")
+
+
+class AlgorithmConfig(_Section):
+    """Critic-free clipped PPO (see services/trainer/loss.py for the math)."""
+
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    dual_clip: float | None = Field(None, gt=1, description="c in Ye et al. dual clip; None disables it.")
+    aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+    baseline: Literal["running", "batch", "none"] = "running"
+    baseline_momentum: float = Field(0.9, ge=0, lt=1)
+    normalize_advantages: bool = False
+    old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
+    is_truncation: float = Field(2.0, gt=0, description="Cap on the behaviour-mismatch importance weight under recompute.")
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+
+
+class TrainerLoraConfig(_Section):
+    r: int = Field(16, ge=1, le=256)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(1, ge=1)
+    every_seconds: float = Field(0.0, ge=0, description="0 disables the time trigger.")
+    keep: int = Field(5, ge=1)
+
+
+class TrainerConfig(_Section):
+    weights: Literal["lora", "full"] = "lora"
+    lora: TrainerLoraConfig = Field(default_factory=TrainerLoraConfig)
+    engine: Literal["auto", "torch", "deepspeed"] = "auto"
+    zero_stage: Literal[2, 3] = 2
+    gpus: int = Field(0, ge=0)
+    batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    batch_timeout_seconds: float = Field(30.0, gt=0)
+    max_seq_len: int = Field(1024, ge=16)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    suspend: bool = False
+    metrics_port: int = Field(8003, ge=1, le=65535)
+    tensorboard_dir: str = ""
+    torch_threads: int = Field(0, ge=0, description="0 = torch default.")
+    seed: int = 0
+
+
+class StorageConfig(_Section):
+    checkpoint_dir: str = ".onlinerl/checkpoints"
+    existing_claim: str = ""
+    size: str = "20Gi"
+    storage_class: str = ""
+
+
+class GateConfig(_Section):
+    enabled: bool = True
+    accept_rate_margin: float = Field(0.02, ge=0, le=1)
+    accepted_per_100_margin: float = Field(2.0, ge=0)
+    max_empty_rate: float = Field(0.9, ge=0, le=1)
+    max_repetition_rate: float = Field(0.5, ge=0, le=1)
+    eval_samples: int = Field(64, ge=1)
+
+
+class RolloutConfig(_Section):
+    """Safe rollout: who is stable, who is the candidate, and how traffic is split.
+
+    ``direct``: the reloader makes each loaded version stable at once (local demo). ``canary``: a loaded version must
+    pass the eval gate, then earns traffic through the canary controller (promote / rollback).
+    """
+
+    strategy: Literal["direct", "canary"] = "direct"
+    canary_share: float = Field(0.1, ge=0, le=1)
+    pinned_version: int | None = Field(None, ge=0)
+    paused: bool = False
+    min_samples: int = Field(200, ge=1)
+    min_dwell_seconds: float = Field(300.0, ge=0)
+    promote_probability: float = Field(0.95, gt=0.5, lt=1)
+    rollback_probability: float = Field(0.95, gt=0.5, lt=1)
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+
+class IngressConfig(_Section):
+    enabled: bool = False
+    host: str = ""
+    tls_secret: str = ""
+    class_name: str = ""
+
+
+class MonitoringConfig(_Section):
+    service_monitor: Literal["on", "off", "auto"] = "auto"
+
+
+class OnlineRLConfig(_Section):
+    """The whole configuration: one object, one shape, for every component and for the CRD spec."""
+
+    job: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=48)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+
+    def dump(self) -> dict[str, Any]:
+        """The camelCase form, as YAML/CRD spec would hold it."""
+        return self.model_dump(by_alias=True, mode="json")
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid onlinerl configuration:\n  " + "\n  ".join(lines)
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(path)}: cannot set a field below a scalar")
+    node[path[-1]] = value
+
+
+def _env_key_to_path(key: str) -> list[str]:
+    """``ONLINERL__SERVING__MAX_TOKENS_CAP`` -> ``['serving', 'maxTokensCap']``."""
+    parts = key[len(ENV_PREFIX) :].split("__")
+    return [to_camel(p.lower()) for p in parts if p]
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Nested dict of every ``ONLINERL__*`` variable, each value parsed as YAML (so ``3``, ``true``, ``[a, b]`` work)."""
+    environ = dict(os.environ if environ is None else environ)
+    tree: dict[str, Any] = {}
+    for key, raw in sorted(environ.items()):
+        if not key.startswith(ENV_PREFIX):
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{key}: not a valid YAML value: {exc}") from exc
+        _set_path(tree, _env_key_to_path(key), value)
+    return tree
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def from_mapping(data: dict[str, Any]) -> OnlineRLConfig:
+    """Validate a camelCase mapping (a YAML file or an OnlineRLJob spec)."""
+    try:
+        return OnlineRLConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> OnlineRLConfig:
+    """YAML file (``path`` or ``$ONLINERL_CONFIG``) overlaid with ``ONLINERL__*`` variables, validated."""
+    env = dict(os.environ if environ is None else environ)
+    path = path or env.get(CONFIG_ENV) or None
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = loaded.get("spec", loaded) if loaded.get("kind") == "OnlineRLJob" else loaded
+    return from_mapping(_deep_merge(data, env_overrides(env)))

@@ -1,0 +1,116 @@
+"""Child processes for `onlinerl up` and the tests: start with a log file, wait on a condition, stop cleanly.
+
+Waiting is always on a condition with a deadline (an HTTP health check or a predicate), never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+class StartupError(RuntimeError):
+    """A child process died or did not become healthy in time; the message carries its log tail."""
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; raise TimeoutError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class Child:
+    """One child process in its own process group (so stop() also ends its children)."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(list(self.argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                                     start_new_session=True, stdin=subprocess.DEVNULL)
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, url: str, timeout: float) -> Child:
+        """Wait for ``url`` to answer 200; fail fast (with the log tail) if the process dies first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise StartupError(f"{self.name} exited with {self.proc.returncode}:\n{log_tail(self.log_path)}")
+            if http_ok(url):
+                return self
+            time.sleep(0.2)
+        raise StartupError(f"{self.name} not healthy at {url} after {timeout:.0f}s:\n{log_tail(self.log_path)}")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the group, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the group at once (crash tests)."""
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv running ``python -m module`` with this interpreter (the venv's)."""
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,183 @@
+"""Records that cross a component boundary (see docs/architecture.md for where each one lives).
+
+Each record is stored as one JSON document (a Redis hash field or a stream entry field ``data``), so a reader never
+has to reassemble it from many fields, and the schema can grow without a migration: readers ignore unknown keys.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str):  # noqa: ANN206 - returns cls
+        return cls.model_validate(orjson.loads(raw))
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = Field(default_factory=list)
+
+
+class RolloutRecord(_Record):
+    """One completion the gateway served, as generated (before any client trimming)."""
+
+    schema_version: int = SCHEMA_VERSION
+    rollout_id: str
+    tenant: str
+    arm: Literal["stable", "candidate", "pinned", "base"] = "stable"
+    policy_version: int
+    served_model: str
+    user_hash: str = ""
+    prompt: str
+    prompt_token_ids: list[int]
+    completion: str
+    completion_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    token_offsets: list[int] = Field(default_factory=list, description="Char offset in `completion` where each token starts.")
+    finish_reason: str | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    created_at: float = Field(default_factory=time.time)
+    finished_at: float | None = None
+
+
+class TrainingSample(_Record):
+    """One rated completion: what the trainer learns from. Token lists hold only the tokens the user was shown."""
+
+    schema_version: int = SCHEMA_VERSION
+    event_id: str
+    rollout_id: str
+    tenant: str
+    arm: str = "stable"
+    policy_version: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    accepted: bool
+    shown_text: str = ""
+    match: Literal["exact", "prefix", "trimmed", "unverified"] = "exact"
+    rollout_created_at: float = 0.0
+    feedback_at: float = Field(default_factory=time.time)
+
+
+class AuditEntry(_Record):
+    """A feedback event that is not trained on, kept for inspection."""
+
+    event_id: str
+    tenant: str
+    outcome: str
+    reason: str
+    accepted: bool | None = None
+    completion: str = ""
+    prompt_digest: str = ""
+    received_at: float = Field(default_factory=time.time)
+
+
+class CompletionOutcome(BaseModel):
+    """Continue's AutocompleteOutcome upload (RLinf fork). Unknown fields are tolerated and ignored."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    completion_id: str = Field(alias="completionId", min_length=1, max_length=256)
+    accepted: bool
+    completion: str = Field("", max_length=65536)
+    prompt: str = Field("", max_length=1_000_000)
+    prefix: str = Field("", max_length=1_000_000)
+    suffix: str = Field("", max_length=1_000_000)
+    filepath: str = ""
+    model_provider: str = Field("", alias="modelProvider")
+    model_name: str = Field("", alias="modelName")
+    timestamp: str = ""
+    time: float | None = None
+    unique_id: str = Field("", alias="uniqueId")
+    num_lines: int | None = Field(None, alias="numLines")
+    cache_hit: bool = Field(False, alias="cacheHit")
+
+
+class CheckpointManifest(_Record):
+    """``manifest.json`` inside ``v{N}/``: written last, so a directory with a manifest is complete."""
+
+    schema_version: int = SCHEMA_VERSION
+    job: str
+    version: int = Field(ge=1)
+    parent_version: int = Field(ge=0)
+    kind: Literal["lora", "full"]
+    base_model: str
+    created_at: float = Field(default_factory=time.time)
+    step: int = 0
+    sample_ids: list[str] = Field(default_factory=list, description="Stream ids trained into this version.")
+    sample_id_range: tuple[str, str] | None = None
+    sample_count: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict)
+    files: dict[str, str] = Field(default_factory=dict, description="Relative path -> sha256 hex.")
+
+
+class PolicyTable(BaseModel):
+    """The live routing table (Redis hash ``policy``). Version 0 is the base model."""
+
+    stable: int = 0
+    candidate: int | None = None
+    canary_share: float = 0.0
+    pinned: int | None = None
+    paused: bool = False
+    updated_at: float = 0.0
+
+    def to_redis(self) -> dict[str, str]:
+        return {
+            "stable": str(self.stable),
+            "candidate": "" if self.candidate is None else str(self.candidate),
+            "canary_share": repr(self.canary_share),
+            "pinned": "" if self.pinned is None else str(self.pinned),
+            "paused": "1" if self.paused else "0",
+            "updated_at": repr(self.updated_at or time.time()),
+        }
+
+    @classmethod
+    def from_redis(cls, raw: dict[Any, Any]) -> PolicyTable:
+        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+
+        def opt_int(key: str) -> int | None:
+            return int(d[key]) if d.get(key) not in (None, "") else None
+
+        return cls(
+            stable=int(d.get("stable") or 0),
+            candidate=opt_int("candidate"),
+            canary_share=float(d.get("canary_share") or 0.0),
+            pinned=opt_int("pinned"),
+            paused=d.get("paused") == "1",
+            updated_at=float(d.get("updated_at") or 0.0),
+        )
+
+
+class PolicyVersionState(_Record):
+    """What the reloader knows of one version (Redis hash ``versions``)."""
+
+    version: int
+    state: Literal["announced", "loading", "loaded", "failed", "retired", "gate_failed"] = "announced"
+    path: str = ""
+    served_model: str = ""
+    failures: int = 0
+    error: str = ""
+    updated_at: float = Field(default_factory=time.time)
+
+
+def adapter_name(job: str, version: int) -> str:
+    """The vLLM model name a version is served under: unique per version, never reused (no load_inplace)."""
+    return f"{job}-v{version}"

@@ -11,6 +11,10 @@ COMMAND_MODULES = [
     "onlinerl.commands.model",
     "onlinerl.commands.data",
     "onlinerl.commands.config",
+    "onlinerl.commands.up",
+    "onlinerl.commands.status",
+    "onlinerl.commands.simulate",
+    "onlinerl.commands.eval",
 ]
 
 

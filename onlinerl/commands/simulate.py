@@ -1,0 +1,76 @@
+"""``onlinerl simulate``: simulated Continue users against a running stack."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from onlinerl.loop.local import DEFAULT_STATE
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state", type=Path, default=DEFAULT_STATE)
+    p.add_argument("--api-base", default=None, help="default: the local gateway, http://127.0.0.1:<port>/v1")
+    p.add_argument("--api-key", default=None, help="default: the local demo key")
+    p.add_argument("--template", default=None, help="FIM template (default: the model's, auto-detected)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--data", type=Path, default=None, help="JSONL split (default: <state>/data/train.jsonl)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N samples of the split")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="drive the stack with simulated Continue users")
+    add_client_args(p)
+    p.add_argument("--tracking-url", default=None, help="default: the local feedback service")
+    p.add_argument("--project", default=None, help="X-Project-ID (default: the local demo project)")
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--reject-window", type=float, default=10.0, help="seconds before a reject is reported (Continue: 10)")
+    p.add_argument("--accept-delay", type=float, default=0.3)
+    p.add_argument("--min-prefix-chars", type=int, default=4)
+    p.add_argument("--min-similarity", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeline", type=Path, default=None, help="JSONL timeline (default: <state>/timeline.jsonl)")
+    p.set_defaults(func=_simulate)
+
+
+def make_client_factory(args: argparse.Namespace, split: str):
+    from onlinerl.data.builder import read_jsonl
+    from onlinerl.loop.continue_client import ContinueClient
+    from onlinerl.loop.local import local_api_key, local_config, template_for
+
+    cfg = local_config(args.state, args.config)
+    key, project = local_api_key(args.state, args.api_key)
+    project = getattr(args, "project", None) or project
+    template = template_for(cfg, args.template)
+    api_base = args.api_base or f"http://127.0.0.1:{cfg.serving.port}/v1"
+    tracking = getattr(args, "tracking_url", None) or f"http://127.0.0.1:{cfg.feedback.port}/api/training/submit"
+    data = args.data or args.state / "data" / f"{split}.jsonl"
+    if not data.is_file():
+        from onlinerl.errors import CommandError
+
+        raise CommandError(f"{data} not found: run `onlinerl data build --out {data.parent}`")
+    samples = read_jsonl(data)[: args.limit] if args.limit else read_jsonl(data)
+
+    def factory(uid: int) -> ContinueClient:
+        return ContinueClient(api_base, tracking, key, project, cfg.model.served_name, template,
+                              max_tokens=args.max_tokens, unique_id=f"sim-user-{uid:04d}")
+
+    return cfg, samples, factory
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from onlinerl.loop.simulate import SimulateOptions, simulate
+    from onlinerl.loop.user_model import AcceptRule
+
+    _, samples, factory = make_client_factory(args, "train")
+    opts = SimulateOptions(requests=args.requests, concurrency=args.concurrency, accept_delay_s=args.accept_delay,
+                           reject_window_s=args.reject_window, seed=args.seed, duration_s=args.duration,
+                           rule=AcceptRule(args.min_prefix_chars, args.min_similarity))
+    timeline = args.timeline or args.state / "timeline.jsonl"
+    totals = asyncio.run(simulate(samples, factory, opts, timeline))
+    print(totals.line())
+    print(f"feedback: {totals.feedback_ok} acknowledged, {totals.feedback_other} not; timeline: {timeline}")
+    return 0 if totals.failed == 0 else 1

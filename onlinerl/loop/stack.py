@@ -1,0 +1,226 @@
+"""``onlinerl up``: the whole loop on one machine, on embedded defaults.
+
+Order: valkey (persistent) -> model bootstrap -> data set -> API key -> vLLM -> gateway, reloader, feedback, trainer
+(-> rollout controller when ``rollout.strategy: canary``). Each step waits on a health check with a deadline and
+fails with the child's log tail. Logs go to ``<state>/logs/``. Ctrl-C stops everything in reverse order. State
+(Redis data, checkpoints, keys) lives in ``<state>/``, so starting again resumes the last policy version and the
+unconsumed samples.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from onlinerl.auth import new_api_key, write_keys_file
+from onlinerl.config import OnlineRLConfig
+from onlinerl.procs import Child, StartupError, log_tail, python_module
+from onlinerl.valkey import EmbeddedValkey
+
+DEMO_TENANT = "demo"
+LOCAL_REDIS_PORT = 16379
+
+
+@dataclass
+class StackPaths:
+    state: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.state / "logs"
+
+    @property
+    def config(self) -> Path:
+        return self.state / "config.yaml"
+
+    @property
+    def keys(self) -> Path:
+        return self.state / "keys.yaml"
+
+    @property
+    def data(self) -> Path:
+        return self.state / "data"
+
+    @property
+    def valkey(self) -> Path:
+        return self.state / "valkey"
+
+
+def say(msg: str) -> None:
+    print(f"[up] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_demo_key(paths: StackPaths) -> str:
+    """The demo tenant's API key: created once, reused on every start."""
+    if paths.keys.is_file():
+        data = yaml.safe_load(paths.keys.read_text()) or {}
+        keys = ((data.get("tenants") or {}).get(DEMO_TENANT) or {}).get("keys") or []
+        if keys:
+            return keys[0]
+    key = new_api_key()
+    write_keys_file(paths.keys, {DEMO_TENANT: [key]})
+    return key
+
+
+def effective_config(cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, model_path: Path) -> OnlineRLConfig:
+    """The config every child reads: embedded Redis URL, resolved model folder, local keys and checkpoint paths."""
+    data = cfg.dump()
+    data["redis"]["url"] = redis_url
+    data["model"]["path"] = str(model_path)
+    data["auth"]["apiKeysFile"] = str(paths.keys.resolve())
+    ckpt = Path(data["storage"]["checkpointDir"])
+    if not ckpt.is_absolute():
+        data["storage"]["checkpointDir"] = str((paths.state / "checkpoints").resolve())
+    return OnlineRLConfig.model_validate(data)
+
+
+def continue_snippet(cfg: OnlineRLConfig, api_key: str, host: str = "127.0.0.1") -> str:
+    """Ready-to-paste ~/.continue/config.yaml: the autocomplete model plus completion tracking."""
+    return f"""models:
+  - name: onlinerl-autocomplete
+    provider: openai
+    model: {cfg.model.served_name}
+    apiBase: http://{host}:{cfg.serving.port}/v1
+    apiKey: {api_key}
+    roles:
+      - autocomplete
+tabAutocompleteOptions:
+  enableCompletionTracking: true
+  completionTrackingUrl: http://{host}:{cfg.feedback.port}/api/training/submit
+  completionTrackingHeaders:
+    Authorization: "Bearer {api_key}"
+    X-Project-ID: "{DEMO_TENANT}"
+"""
+
+
+@dataclass
+class Stack:
+    """The running local stack: children in start order, stopped in reverse."""
+
+    cfg: OnlineRLConfig
+    paths: StackPaths
+    valkey: EmbeddedValkey | None = None
+    children: list[Child] = field(default_factory=list)
+    api_key: str = ""
+
+    def child_env(self) -> dict[str, str]:
+        return {"ONLINERL_CONFIG": str(self.paths.config.resolve()), "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false"}
+
+    def start_child(self, name: str, module: str, health_url: str, timeout: float, extra_env: dict | None = None) -> Child:
+        say(f"starting {name} (log: {self.paths.logs / (name + '.log')})")
+        child = Child(name, python_module(module), self.paths.logs / f"{name}.log",
+                      env={**self.child_env(), **(extra_env or {})})
+        self.children.append(child.start())
+        child.wait_healthy(health_url, timeout)
+        say(f"{name} healthy")
+        return child
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.alive():
+                say(f"stopping {child.name}")
+                child.stop()
+        self.children.clear()
+        if self.valkey is not None:
+            say("stopping valkey")
+            self.valkey.stop()
+            self.valkey = None
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if not c.alive()), None)
+
+
+def start_stack(cfg: OnlineRLConfig, state: Path, *, build_data: bool = True,
+                on_step: Callable[[str], None] = say) -> Stack:
+    """Start every component and return the running :class:`Stack` (the caller stops it)."""
+    from onlinerl.model import resolve_model_path
+    from onlinerl_serving.engine import start_vllm
+
+    paths = StackPaths(state)
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    stack = Stack(cfg, paths)
+    try:
+        redis_url = cfg.redis.url
+        if not redis_url:
+            on_step(f"starting embedded valkey (data: {paths.valkey}, AOF fsync always)")
+            stack.valkey = EmbeddedValkey(paths.valkey, port=LOCAL_REDIS_PORT).start()
+            redis_url = stack.valkey.url
+        on_step("model: bootstrapping / verifying")
+        model_path = resolve_model_path(cfg.model.path, progress=lambda m: on_step(f"model: {m}"))
+        if build_data and not (paths.data / "train.jsonl").is_file():
+            from onlinerl.data.builder import BuildOptions, build, write_jsonl
+
+            on_step("building the FIM data set from the standard library")
+            train, test = build(BuildOptions())
+            write_jsonl(train, paths.data / "train.jsonl")
+            write_jsonl(test, paths.data / "test.jsonl")
+        stack.api_key = ensure_demo_key(paths)
+        stack.cfg = effective_config(cfg, paths, redis_url, model_path)
+        paths.config.write_text(yaml.safe_dump(stack.cfg.dump(), sort_keys=False))
+        on_step("starting vLLM (about a minute on CPU)")
+        engine_port = int(stack.cfg.serving.engine_url.rsplit(":", 1)[1].split("/")[0])
+        stack.children.append(start_vllm(stack.cfg, model_path, paths.logs / "vllm.log", port=engine_port,
+                                         wait_timeout=600))
+        on_step("vLLM healthy")
+        c = stack.cfg
+        stack.start_child("gateway", "onlinerl_serving.gateway", f"http://127.0.0.1:{c.serving.port}/healthz", 60)
+        stack.start_child("reloader", "onlinerl_serving.reloader", "http://127.0.0.1:8004/healthz", 60)
+        stack.start_child("feedback", "onlinerl_feedback", f"http://127.0.0.1:{c.feedback.port}/healthz", 60)
+        stack.start_child("trainer", "onlinerl_trainer", f"http://127.0.0.1:{c.trainer.metrics_port}/healthz", 180)
+        if c.rollout.strategy == "canary":
+            stack.start_child("rollout", "onlinerl.rollout", "http://127.0.0.1:8005/healthz", 60)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def banner(stack: Stack) -> str:
+    c = stack.cfg
+    return f"""
+onlinerl is up.
+  completions   http://127.0.0.1:{c.serving.port}/v1/completions
+  feedback      http://127.0.0.1:{c.feedback.port}/api/training/submit
+  metrics       gateway :{c.serving.port}/metrics  feedback :{c.feedback.port}/metrics  trainer :{c.trainer.metrics_port}/metrics
+  redis         {c.redis.url}
+  logs          {stack.paths.logs}
+  demo API key  {stack.api_key}   (project: {DEMO_TENANT})
+
+Paste into ~/.continue/config.yaml:
+{continue_snippet(c, stack.api_key)}
+Try it:     onlinerl simulate --requests 50
+Live view:  onlinerl status
+Stop:       Ctrl-C
+"""
+
+
+def run_forever(stack: Stack, poll_s: float = 1.0) -> int:
+    """Block until Ctrl-C/SIGTERM or a child dies (then report its log tail); always stop everything."""
+    stopping = {"flag": False}
+
+    def _term(*_: object) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        while not stopping["flag"]:
+            dead = stack.dead_child()
+            if dead is not None:
+                say(f"{dead.name} exited unexpectedly; last log lines:\n{log_tail(dead.log_path)}")
+                return 1
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        say("Ctrl-C: shutting down")
+    finally:
+        stack.stop()
+    return 0
+
+
+__all__ = ["Stack", "StackPaths", "StartupError", "banner", "continue_snippet", "run_forever", "start_stack"]

@@ -1,0 +1,45 @@
+"""The simulated Continue user: what it is shown, and whether it presses Tab.
+
+Pure functions, so the rule the demonstration is judged by is explicit and tested. Default rule: accept when the
+shown text (trimmed) is non-empty and either a prefix of the true middle of at least ``min_prefix_chars`` characters
+(or the whole middle), or within edit similarity ``min_similarity`` of the middle's first line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+
+
+@dataclass(frozen=True)
+class AcceptRule:
+    min_prefix_chars: int = 4
+    min_similarity: float = 0.8
+
+
+def shown_text(completion: str) -> str:
+    """What Continue displays: the completion with trailing whitespace removed (it never shows a blank suggestion)."""
+    text = completion.rstrip()
+    return text if text.strip() else ""
+
+
+def edit_similarity(a: str, b: str) -> float:
+    """Normalised similarity in [0, 1] (difflib ratio: 2*matches / total length)."""
+    if not a and not b:
+        return 1.0
+    return SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def decide(shown: str, middle: str, rule: AcceptRule = AcceptRule()) -> bool:
+    """True when the simulated user accepts ``shown`` for the true ``middle``."""
+    s = shown.strip()
+    if not s:
+        return False
+    m = middle.strip()
+    if m.startswith(s) and (len(s) >= rule.min_prefix_chars or s == m):
+        return True
+    return edit_similarity(s, first_line(middle)) >= rule.min_similarity

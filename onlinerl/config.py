@@ -30,12 +30,37 @@ class _Section(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False)
 
 
-class ModelConfig(_Section):
-    """Which weights to serve and train. ``path`` is any Hugging Face folder; empty means the bootstrapped SmolLM2."""
+class ResourcesConfig(_Section):
+    """Kubernetes container resources (quantities as strings: ``cpu: "2"``, ``memory: 8Gi``). Ignored outside k8s."""
 
-    path: str = ""
-    served_name: str = "onlinerl-base"
-    fim_template: str = "auto"
+    requests: dict[str, str] = Field(default_factory=dict)
+    limits: dict[str, str] = Field(default_factory=dict)
+
+
+class ImagesConfig(_Section):
+    """Container images the operator deploys (k8s only). GPU serving runs upstream vLLM; CPU serving our CPU build."""
+
+    serving: str = Field("ghcr.io/onlinerl/onlinerl-serving:0.1.0", max_length=512)
+    feedback: str = Field("ghcr.io/onlinerl/onlinerl-feedback:0.1.0", max_length=512)
+    trainer: str = Field("ghcr.io/onlinerl/onlinerl-trainer:0.1.0", max_length=512)
+    vllm: str = Field("vllm/vllm-openai:v0.32.0", max_length=512)
+    vllm_cpu: str = Field("ghcr.io/onlinerl/onlinerl-engine-cpu:0.1.0", max_length=512)
+    redis: str = Field("valkey/valkey:8.1", max_length=512)
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+
+class ModelConfig(_Section):
+    """Which weights to serve and train. ``path`` is any Hugging Face folder; empty means the bootstrapped SmolLM2.
+
+    On Kubernetes the folder comes from ``claim`` (a PVC mounted read-only at ``/models``; ``path`` points inside it)
+    or from ``image`` (an image holding the folder at ``path``, copied into the pod by an init container).
+    """
+
+    path: str = Field("", max_length=4096)
+    served_name: str = Field("onlinerl-base", max_length=253)
+    fim_template: str = Field("auto", max_length=64)
+    claim: str = Field("", max_length=253, description="PVC holding the model folder, mounted read-only at /models.")
+    image: str = Field("", max_length=512, description="Image holding the model folder at `path` (k8s).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, ge=256, le=131072)
 
@@ -46,6 +71,10 @@ class RedisConfig(_Section):
     url: str = ""
     rollout_ttl_seconds: int = Field(1800, ge=900, description="Rollout records must outlive Continue's 10 s reject window by far.")
     connect_timeout_seconds: float = Field(2.0, gt=0)
+    url_secret: str = Field("", description="k8s: Secret whose key `urlSecretKey` holds the URL of an external Redis.")
+    url_secret_key: str = "url"
+    storage_size: str = Field("8Gi", description="k8s: volume of the in-cluster Redis (used when no URL is given).")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
 
 class AuthConfig(_Section):
@@ -53,6 +82,7 @@ class AuthConfig(_Section):
 
     api_keys_file: str = ""
     allow_anonymous: bool = False
+    api_keys_secret: str = Field("", description="k8s: Secret with key `keys.yaml`, mounted as apiKeysFile.")
 
 
 class ServingLoraConfig(_Section):
@@ -78,6 +108,8 @@ class ServingConfig(_Section):
     max_load_failures: int = Field(3, ge=1)
     drain_timeout_seconds: float = Field(120.0, ge=0)
     vllm_args: list[str] = Field(default_factory=list)
+    gpus: int = Field(0, ge=0, le=64, description="k8s: GPUs per serving replica (0 = vLLM on CPU).")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
 
 class RewardConfig(_Section):
@@ -107,6 +139,7 @@ class FeedbackConfig(_Section):
     max_backlog: int = Field(200_000, ge=1, description="Unconsumed samples above this answer 429.")
     dedupe_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
     retry_after_seconds: int = Field(2, ge=1)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
 
 class StalenessConfig(_Section):
@@ -165,6 +198,9 @@ class TrainerConfig(_Section):
     tensorboard_dir: str = ""
     torch_threads: int = Field(0, ge=0, description="0 = torch default.")
     seed: int = 0
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    max_restarts: int = Field(5, ge=0, description="k8s: failed trainer Jobs recreated before the job turns Failed.")
+    restart_backoff_seconds: float = Field(30.0, ge=0, description="k8s: first retry delay, doubled per failure.")
 
 
 class StorageConfig(_Section):
@@ -172,6 +208,7 @@ class StorageConfig(_Section):
     existing_claim: str = ""
     size: str = "20Gi"
     storage_class: str = ""
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
 
 
 class GateConfig(_Section):
@@ -226,6 +263,7 @@ class OnlineRLConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
 
     def dump(self) -> dict[str, Any]:
         """The camelCase form, as YAML/CRD spec would hold it."""

@@ -1,0 +1,79 @@
+"""What the operator reads from (and the one thing it writes to) the job's Redis: docs/architecture.md keys.
+
+Reads: the policy table, per-version stats counters and the trainer's status hash, for the CR status.
+Writes: only the ``pinned`` field of the policy table (``spec.rollout.pinnedVersion``); the reloader and the rollout
+controller own the other fields, so the operator never rewrites them.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from onlinerl_operator.kube import Kube
+from onlinerl_operator.render import RenderContext
+
+from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyTable
+
+ARMS = ("stable", "candidate", "pinned", "base")
+
+
+@dataclass
+class RedisView:
+    policy: PolicyTable | None = None
+    accept_rate: float | None = None
+    shown: int | None = None
+    samples_trained: int | None = None
+    trainer_step: int | None = None
+    last_checkpoint_at: float | None = None
+    pin_changed: bool = False
+
+
+async def redis_url(kube: Kube, ctx: RenderContext) -> str:
+    """The URL the pods use: spec.redis.url, the external URL Secret, or the in-cluster Service."""
+    if ctx.redis_url:
+        return ctx.redis_url
+    secret = await kube.get("Secret", ctx.namespace, ctx.cfg.redis.url_secret)
+    key = ctx.cfg.redis.url_secret_key
+    if secret is None or key not in (secret.get("data") or {}):
+        raise LookupError(f"Secret {ctx.cfg.redis.url_secret} with key {key!r} (redis.urlSecret) not found")
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def _int(raw: dict[bytes, bytes], field: str) -> int:
+    value = raw.get(field.encode())
+    return int(float(value)) if value not in (None, b"") else 0
+
+
+async def apply_pin_and_read(url: str, job: str, pinned: int | None, timeout: float = 2.0) -> RedisView:
+    """Write ``pinned`` when it differs (idempotent), then read what the status shows."""
+    keys = Keys(job)
+    r = aioredis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        view = RedisView()
+        current = await r.hget(keys.policy, "pinned")
+        want = "" if pinned is None else str(pinned)
+        if (current or b"").decode() != want:
+            await r.hset(keys.policy, mapping={"pinned": want, "updated_at": repr(time.time())})
+            view.pin_changed = True
+        view.policy = PolicyTable.from_redis(await r.hgetall(keys.policy))
+        stable = view.policy.stable
+        shown = accepted = 0
+        for arm in ARMS:
+            counters = await r.hgetall(keys.stats(stable, arm))
+            shown += _int(counters, "shown")
+            accepted += _int(counters, "accepted")
+        view.shown = shown
+        view.accept_rate = round(accepted / shown, 4) if shown else None
+        trainer = await r.hgetall(keys.trainer_status)
+        if trainer:
+            view.samples_trained = _int(trainer, "samples_trained")
+            view.trainer_step = _int(trainer, "step")
+            last = trainer.get(b"last_checkpoint_at")
+            view.last_checkpoint_at = float(last) if last not in (None, b"") else None
+        return view
+    finally:
+        await r.aclose()

@@ -1,0 +1,554 @@
+"""Pure rendering: (job name, namespace, uid, validated config) -> the Kubernetes manifests of one OnlineRLJob.
+
+No I/O and no clock, so the same spec always renders the same objects; the reconciler only creates or patches them.
+Ports, paths and entry points follow docs/architecture.md; each pod reads the component config from the ConfigMap via
+``$ONLINERL_CONFIG``. vLLM binds 127.0.0.1:8001 inside the serving pod: only the gateway port leaves the pod.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from onlinerl_operator import constants as c
+
+from onlinerl.config import OnlineRLConfig, ResourcesConfig
+from onlinerl.model import SMOLLM2_GGUF_SHA256
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    name: str
+    namespace: str
+    uid: str
+    cfg: OnlineRLConfig
+    monitoring_api: bool = False  # monitoring.coreos.com/v1 is served by this cluster
+
+    # --- names ------------------------------------------------------------------------------------------------
+    def child(self, suffix: str) -> str:
+        return f"{self.name}-{suffix}"
+
+    @property
+    def in_cluster_redis(self) -> bool:
+        return not (self.cfg.redis.url or self.cfg.redis.url_secret)
+
+    @property
+    def redis_url(self) -> str:
+        """The URL written into the config; empty when it comes from a Secret (env overrides it in the pod)."""
+        if self.cfg.redis.url:
+            return self.cfg.redis.url
+        if self.cfg.redis.url_secret:
+            return ""
+        return f"redis://{self.child('redis')}.{self.namespace}.svc:{c.REDIS_PORT}/0"
+
+    @property
+    def checkpoint_claim(self) -> str:
+        return self.cfg.storage.existing_claim or self.child("checkpoints")
+
+    @property
+    def model_path(self) -> str:
+        """Where the model folder is inside every pod."""
+        m = self.cfg.model
+        if m.image:
+            return c.MODEL_COPY_DIR
+        if m.path:
+            return m.path
+        return f"{c.MODEL_COPY_DIR}/models/SmolLM2-135M-Instruct-{SMOLLM2_GGUF_SHA256[:12]}"
+
+    @property
+    def monitors_enabled(self) -> bool:
+        mode = self.cfg.monitoring.service_monitor
+        return mode == "on" or (mode == "auto" and self.monitoring_api)
+
+
+def labels(ctx: RenderContext, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "onlinerl",
+        "app.kubernetes.io/instance": ctx.name,
+        "app.kubernetes.io/component": component,
+        c.LABEL_MANAGED_BY: c.MANAGER,
+        c.LABEL_JOB: ctx.name,
+        c.LABEL_COMPONENT: component,
+    }
+
+
+def selector(ctx: RenderContext, component: str) -> dict[str, str]:
+    return {c.LABEL_JOB: ctx.name, c.LABEL_COMPONENT: component}
+
+
+def owner_reference(ctx: RenderContext) -> dict[str, Any]:
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": ctx.name, "uid": ctx.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": ctx.namespace, "labels": labels(ctx, component),
+            "ownerReferences": [owner_reference(ctx)]}
+
+
+# --- the component config -------------------------------------------------------------------------------------
+def component_config(ctx: RenderContext) -> dict[str, Any]:
+    """The config file every pod reads: the spec plus what only the operator knows (job, Redis URL, mount paths)."""
+    data = ctx.cfg.dump()
+    data["job"] = ctx.name
+    data["redis"]["url"] = ctx.redis_url
+    data["model"]["path"] = ctx.model_path
+    data["storage"]["checkpointDir"] = c.CHECKPOINT_DIR
+    data["serving"]["engineUrl"] = f"http://127.0.0.1:{c.ENGINE_PORT}"
+    data["auth"]["apiKeysFile"] = f"{c.KEYS_DIR}/{c.KEYS_FILE}" if ctx.cfg.auth.api_keys_secret else ""
+    return data
+
+
+def config_yaml(ctx: RenderContext) -> str:
+    return yaml.safe_dump(component_config(ctx), sort_keys=True)
+
+
+def _hash_without_runtime_fields(ctx: RenderContext) -> str:
+    """Digest of the config minus what acts at runtime (suspend: the Job; pinnedVersion: Redis), so neither
+    restarts a pod."""
+    data = component_config(ctx)
+    data["trainer"] = {**data["trainer"], "suspend": False}
+    data["rollout"] = {**data["rollout"], "pinnedVersion": None}
+    return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_hash(ctx: RenderContext) -> str:
+    """Pod-template annotation: a config change rolls the pods (they read the file only at start)."""
+    return _hash_without_runtime_fields(ctx)
+
+
+def config_map(ctx: RenderContext) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(ctx, ctx.child("config"), "config"),
+            "data": {c.CONFIG_FILE: config_yaml(ctx)}}
+
+
+# --- building blocks --------------------------------------------------------------------------------------------
+def resources(spec: ResourcesConfig, gpus: int = 0, default_requests: dict[str, str] | None = None) -> dict[str, Any]:
+    requests = {**(default_requests or {}), **spec.requests}
+    limits = dict(spec.limits)
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def http_probe(path: str, port: int | str, period: int = 10, failures: int = 3, initial: int = 0) -> dict[str, Any]:
+    probe: dict[str, Any] = {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+                             "failureThreshold": failures, "timeoutSeconds": 5}
+    if initial:
+        probe["initialDelaySeconds"] = initial
+    return probe
+
+
+def onlinerl_env(ctx: RenderContext) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "ONLINERL_CONFIG", "value": f"{c.CONFIG_DIR}/{c.CONFIG_FILE}"},
+                                 {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if not ctx.cfg.model.path and not ctx.cfg.model.image:
+        env.append({"name": "ONLINERL_CACHE", "value": c.MODEL_COPY_DIR})  # where the init container bootstrapped
+    if ctx.cfg.redis.url_secret:
+        env.append({"name": "ONLINERL__REDIS__URL", "valueFrom": {"secretKeyRef": {
+            "name": ctx.cfg.redis.url_secret, "key": ctx.cfg.redis.url_secret_key}}})
+    return env
+
+
+HARDENED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def config_volume(ctx: RenderContext) -> dict[str, Any]:
+    return {"name": "config", "configMap": {"name": ctx.child("config")}}
+
+
+def checkpoint_volume(ctx: RenderContext) -> dict[str, Any]:
+    return {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ctx.checkpoint_claim}}
+
+
+def model_volumes(ctx: RenderContext) -> list[dict[str, Any]]:
+    m = ctx.cfg.model
+    if m.claim:
+        return [{"name": "models", "persistentVolumeClaim": {"claimName": m.claim, "readOnly": True}}]
+    if m.path and not m.image:
+        return []  # a path baked into the images or on a node: nothing to mount
+    return [{"name": "model-copy", "emptyDir": {}}]
+
+
+def model_mounts(ctx: RenderContext) -> list[dict[str, Any]]:
+    m = ctx.cfg.model
+    if m.claim:
+        return [{"name": "models", "mountPath": c.MODELS_DIR, "readOnly": True}]
+    if m.path and not m.image:
+        return []
+    return [{"name": "model-copy", "mountPath": c.MODEL_COPY_DIR}]
+
+
+def model_init_containers(ctx: RenderContext) -> list[dict[str, Any]]:
+    """Bring the model folder into the pod: copy it out of ``model.image``, or bootstrap SmolLM2 (CPU demo)."""
+    m = ctx.cfg.model
+    pull = ctx.cfg.images.pull_policy
+    mount = [{"name": "model-copy", "mountPath": c.MODEL_COPY_DIR}]
+    if m.image:
+        return [{"name": "model", "image": m.image, "imagePullPolicy": pull, "command": ["sh", "-c"],
+                 "args": [f'cp -a "{m.path}/." {c.MODEL_COPY_DIR}/'], "volumeMounts": mount}]
+    if not m.path and not m.claim:
+        return [{"name": "model-bootstrap", "image": ctx.cfg.images.trainer, "imagePullPolicy": pull,
+                 "command": ["onlinerl", "model", "bootstrap", "--cache-dir", c.MODEL_COPY_DIR],
+                 "volumeMounts": mount, "securityContext": HARDENED}]
+    return []
+
+
+def pod_annotations(ctx: RenderContext) -> dict[str, str]:
+    return {c.ANNO_CONFIG_HASH: config_hash(ctx)}
+
+
+# --- serving --------------------------------------------------------------------------------------------------
+def vllm_args(ctx: RenderContext) -> list[str]:
+    cfg = ctx.cfg
+    args = ["--model", ctx.model_path, "--served-model-name", cfg.model.served_name,
+            "--host", "127.0.0.1", "--port", str(c.ENGINE_PORT), "--max-model-len", str(cfg.model.max_model_len),
+            "--dtype", cfg.model.dtype]
+    if cfg.serving.weights_mode == "lora":
+        args += ["--enable-lora", "--max-lora-rank", str(cfg.serving.lora.max_rank),
+                 "--max-loras", str(cfg.serving.lora.max_loras)]
+    if cfg.serving.gpus > 1:
+        args += ["--tensor-parallel-size", str(cfg.serving.gpus)]
+    return args + list(cfg.serving.vllm_args)
+
+
+def _engine_health_probe(period: int, failures: int) -> dict[str, Any]:
+    # vLLM listens on loopback only, so the kubelet cannot httpGet it: probe from inside the container.
+    check = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{c.ENGINE_PORT}/health', timeout=4)"
+    return {"exec": {"command": ["python3", "-c", check]}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def vllm_container(ctx: RenderContext) -> dict[str, Any]:
+    cfg = ctx.cfg
+    gpu = cfg.serving.gpus > 0
+    env = [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"}]
+    if cfg.serving.weights_mode == "full":
+        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # pause/reload_weights: loopback only
+    if not gpu:
+        env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"})
+    mounts = [{"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR, "readOnly": True},
+              {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts(ctx)]
+    return {
+        "name": "vllm",
+        "image": cfg.images.vllm if gpu else cfg.images.vllm_cpu,
+        "imagePullPolicy": cfg.images.pull_policy,
+        "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+        "args": vllm_args(ctx),
+        "env": env,
+        "resources": resources(cfg.serving.resources, cfg.serving.gpus,
+                               None if cfg.serving.resources.requests else {"cpu": "1", "memory": "4Gi"}),
+        "volumeMounts": mounts,
+        "startupProbe": _engine_health_probe(period=10, failures=180),
+        "livenessProbe": _engine_health_probe(period=30, failures=3),
+    }
+
+
+def gateway_container(ctx: RenderContext) -> dict[str, Any]:
+    port = ctx.cfg.serving.port
+    return {
+        "name": "gateway",
+        "image": ctx.cfg.images.serving,
+        "imagePullPolicy": ctx.cfg.images.pull_policy,
+        "command": ["python", "-m", "onlinerl_serving.gateway"],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": onlinerl_env(ctx),
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}},
+        "volumeMounts": _config_mounts(ctx),
+        "readinessProbe": http_probe("/readyz", "http", period=5),
+        "livenessProbe": http_probe("/healthz", "http", period=10, initial=5),
+        "securityContext": HARDENED,
+    }
+
+
+def reloader_container(ctx: RenderContext) -> dict[str, Any]:
+    return {
+        "name": "reloader",
+        "image": ctx.cfg.images.serving,
+        "imagePullPolicy": ctx.cfg.images.pull_policy,
+        "command": ["python", "-m", "onlinerl_serving.reloader"],
+        "ports": [{"name": "reloader", "containerPort": c.RELOADER_PORT, "protocol": "TCP"}],
+        "env": onlinerl_env(ctx),
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
+        "volumeMounts": [*_config_mounts(ctx),
+                         {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR, "readOnly": True}],
+        "livenessProbe": http_probe("/healthz", "reloader", period=10, initial=5),
+        "securityContext": HARDENED,
+    }
+
+
+def _config_mounts(ctx: RenderContext) -> list[dict[str, Any]]:
+    mounts = [{"name": "config", "mountPath": c.CONFIG_DIR, "readOnly": True}]
+    if ctx.cfg.auth.api_keys_secret:
+        mounts.append({"name": "api-keys", "mountPath": c.KEYS_DIR, "readOnly": True})
+    return mounts
+
+
+def _keys_volumes(ctx: RenderContext) -> list[dict[str, Any]]:
+    if not ctx.cfg.auth.api_keys_secret:
+        return []
+    return [{"name": "api-keys", "secret": {"secretName": ctx.cfg.auth.api_keys_secret,
+                                            "items": [{"key": c.KEYS_FILE, "path": c.KEYS_FILE}]}}]
+
+
+def serving_deployment(ctx: RenderContext) -> Manifest:
+    volumes = [config_volume(ctx), checkpoint_volume(ctx), {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+               *_keys_volumes(ctx), *model_volumes(ctx)]
+    pod: dict[str, Any] = {
+        "initContainers": model_init_containers(ctx),
+        "containers": [vllm_container(ctx), gateway_container(ctx), reloader_container(ctx)],
+        "volumes": volumes,
+        # In-flight streams finish before the pod goes (serving.drainTimeoutSeconds).
+        "terminationGracePeriodSeconds": int(ctx.cfg.serving.drain_timeout_seconds) + 10,
+    }
+    if not pod["initContainers"]:
+        del pod["initContainers"]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": metadata(ctx, ctx.child("serving"), "serving"),
+        "spec": {
+            "replicas": ctx.cfg.serving.replicas,
+            "selector": {"matchLabels": selector(ctx, "serving")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": labels(ctx, "serving"), "annotations": pod_annotations(ctx)},
+                         "spec": pod},
+        },
+    }
+
+
+def service(ctx: RenderContext, component: str, port_name: str, port: int) -> Manifest:
+    meta = metadata(ctx, ctx.child(component), component)
+    meta["labels"]["onlinerl.dev/metrics"] = "true"
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+            "spec": {"type": "ClusterIP", "selector": selector(ctx, component),
+                     "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}]}}
+
+
+def serving_service(ctx: RenderContext) -> Manifest:
+    return service(ctx, "serving", "http", ctx.cfg.serving.port)
+
+
+# --- feedback -------------------------------------------------------------------------------------------------
+def feedback_deployment(ctx: RenderContext) -> Manifest:
+    cfg = ctx.cfg
+    container = {
+        "name": "feedback",
+        "image": cfg.images.feedback,
+        "imagePullPolicy": cfg.images.pull_policy,
+        "command": ["python", "-m", "onlinerl_feedback"],
+        "ports": [{"name": "http", "containerPort": cfg.feedback.port, "protocol": "TCP"}],
+        "env": onlinerl_env(ctx),
+        "resources": resources(cfg.feedback.resources, 0,
+                               None if cfg.feedback.resources.requests else {"cpu": "250m", "memory": "256Mi"}),
+        "volumeMounts": _config_mounts(ctx),
+        "readinessProbe": http_probe("/readyz", "http", period=5),
+        "livenessProbe": http_probe("/healthz", "http", period=10, initial=5),
+        "securityContext": HARDENED,
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": metadata(ctx, ctx.child("feedback"), "feedback"),
+        "spec": {
+            "replicas": cfg.feedback.replicas,
+            "selector": {"matchLabels": selector(ctx, "feedback")},
+            "template": {"metadata": {"labels": labels(ctx, "feedback"), "annotations": pod_annotations(ctx)},
+                         "spec": {"containers": [container],
+                                  "volumes": [config_volume(ctx), *_keys_volumes(ctx)]}},
+        },
+    }
+
+
+def feedback_service(ctx: RenderContext) -> Manifest:
+    return service(ctx, "feedback", "http", ctx.cfg.feedback.port)
+
+
+# --- trainer --------------------------------------------------------------------------------------------------
+def trainer_command(ctx: RenderContext) -> list[str]:
+    """One process for <= 1 GPU; the DeepSpeed launcher (one rank per GPU) above that."""
+    gpus = ctx.cfg.trainer.gpus
+    if gpus > 1:
+        return ["deepspeed", "--num_gpus", str(gpus), "--master_port", "29500", "--module", "onlinerl_trainer"]
+    return ["python", "-m", "onlinerl_trainer"]
+
+
+def trainer_job(ctx: RenderContext) -> Manifest:
+    """The trainer as a Job: it resumes by itself from the latest checkpoint + trainer-state on the shared volume.
+
+    ``backoffLimit`` retries a crashed pod in place; when the Job itself fails, the operator recreates it with
+    exponential backoff (``trainer.maxRestarts``). ``suspend`` stops the pods while serving keeps running.
+    """
+    cfg = ctx.cfg
+    port = cfg.trainer.metrics_port
+    container = {
+        "name": "trainer",
+        "image": cfg.images.trainer,
+        "imagePullPolicy": cfg.images.pull_policy,
+        "command": trainer_command(ctx),
+        "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
+        "env": onlinerl_env(ctx),
+        "resources": resources(cfg.trainer.resources, cfg.trainer.gpus,
+                               None if cfg.trainer.resources.requests else {"cpu": "1", "memory": "4Gi"}),
+        "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_DIR, "readOnly": True},
+                         {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR},
+                         {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts(ctx)],
+        "startupProbe": http_probe("/healthz", "metrics", period=10, failures=60),
+        "livenessProbe": http_probe("/healthz", "metrics", period=15, failures=4),
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [config_volume(ctx), checkpoint_volume(ctx), {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                    *model_volumes(ctx)],
+        "terminationGracePeriodSeconds": 120,  # lets the trainer finish writing a checkpoint
+    }
+    init = model_init_containers(ctx)
+    if init:
+        pod["initContainers"] = init
+    meta = metadata(ctx, ctx.child("trainer"), "trainer")
+    meta["annotations"] = {c.ANNO_SPEC_HASH: trainer_hash(ctx)}
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 2,
+            "suspend": cfg.trainer.suspend,
+            "template": {"metadata": {"labels": labels(ctx, "trainer"), "annotations": pod_annotations(ctx)},
+                         "spec": pod},
+        },
+    }
+
+
+def trainer_hash(ctx: RenderContext) -> str:
+    """What forces a new trainer Job (its pod template is immutable): any config change but suspend/pin."""
+    return _hash_without_runtime_fields(ctx)
+
+
+def trainer_service(ctx: RenderContext) -> Manifest:
+    return service(ctx, "trainer", "metrics", ctx.cfg.trainer.metrics_port)
+
+
+# --- storage, ingress, monitoring, redis ----------------------------------------------------------------------
+def checkpoint_pvc(ctx: RenderContext) -> Manifest | None:
+    st = ctx.cfg.storage
+    if st.existing_claim:
+        return None
+    spec: dict[str, Any] = {"accessModes": [st.access_mode], "resources": {"requests": {"storage": st.size}}}
+    if st.storage_class:
+        spec["storageClassName"] = st.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": metadata(ctx, ctx.child("checkpoints"), "storage"), "spec": spec}
+
+
+def ingress(ctx: RenderContext) -> Manifest | None:
+    ing = ctx.cfg.ingress
+    if not ing.enabled:
+        return None
+
+    def path(prefix: str, component: str, port: int) -> dict[str, Any]:
+        return {"path": prefix, "pathType": "Prefix",
+                "backend": {"service": {"name": ctx.child(component), "port": {"number": port}}}}
+
+    rule: dict[str, Any] = {"http": {"paths": [path("/v1", "serving", ctx.cfg.serving.port),
+                                               path("/api/training", "feedback", ctx.cfg.feedback.port)]}}
+    if ing.host:
+        rule["host"] = ing.host
+    spec: dict[str, Any] = {"rules": [rule]}
+    if ing.class_name:
+        spec["ingressClassName"] = ing.class_name
+    if ing.tls_secret:
+        spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": metadata(ctx, ctx.name, "ingress"),
+            "spec": spec}
+
+
+def service_monitor(ctx: RenderContext) -> Manifest:
+    """Scrapes the gateway, feedback and trainer Services (all labelled onlinerl.dev/metrics=true)."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": metadata(ctx, ctx.name, "monitoring"),
+            "spec": {"selector": {"matchLabels": {c.LABEL_JOB: ctx.name, "onlinerl.dev/metrics": "true"}},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": "30s"},
+                                   {"port": "metrics", "path": "/metrics", "interval": "30s"}]}}
+
+
+def pod_monitor(ctx: RenderContext) -> Manifest:
+    """The reloader's port has no Service (it is per replica): scrape the serving pods directly."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": metadata(ctx, ctx.child("reloader"), "monitoring"),
+            "spec": {"selector": {"matchLabels": selector(ctx, "serving")},
+                     "podMetricsEndpoints": [{"port": "reloader", "path": "/metrics", "interval": "30s"}]}}
+
+
+def redis_statefulset(ctx: RenderContext) -> Manifest:
+    """In-cluster Redis with the durability docs/architecture.md requires (AOF, fsync always, noeviction)."""
+    cfg = ctx.cfg
+    server = ("exec $(command -v valkey-server || command -v redis-server) --port 6379 --dir /data "
+              "--appendonly yes --appendfsync always --maxmemory-policy noeviction --protected-mode no")
+    ping = ["sh", "-c", "$(command -v valkey-cli || command -v redis-cli) ping | grep -q PONG"]
+    container = {
+        "name": "redis",
+        "image": cfg.images.redis,
+        "imagePullPolicy": cfg.images.pull_policy,
+        "command": ["sh", "-c", server],
+        "ports": [{"name": "redis", "containerPort": c.REDIS_PORT, "protocol": "TCP"}],
+        "resources": resources(cfg.redis.resources, 0,
+                               None if cfg.redis.resources.requests else {"cpu": "250m", "memory": "1Gi"}),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "readinessProbe": {"exec": {"command": ping}, "periodSeconds": 5, "timeoutSeconds": 3},
+        "livenessProbe": {"exec": {"command": ping}, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
+        "securityContext": HARDENED,
+    }
+    claim: dict[str, Any] = {"metadata": {"name": "data", "labels": labels(ctx, "redis")},
+                             "spec": {"accessModes": ["ReadWriteOnce"],
+                                      "resources": {"requests": {"storage": cfg.redis.storage_size}}}}
+    if cfg.storage.storage_class:
+        claim["spec"]["storageClassName"] = cfg.storage.storage_class
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": metadata(ctx, ctx.child("redis"), "redis"),
+        "spec": {
+            "serviceName": ctx.child("redis"),
+            "replicas": 1,
+            "selector": {"matchLabels": selector(ctx, "redis")},
+            "template": {"metadata": {"labels": labels(ctx, "redis")},
+                         "spec": {"containers": [container], "terminationGracePeriodSeconds": 30}},
+            "volumeClaimTemplates": [claim],
+        },
+    }
+
+
+def redis_service(ctx: RenderContext) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(ctx, ctx.child("redis"), "redis"),
+            "spec": {"type": "ClusterIP", "selector": selector(ctx, "redis"),
+                     "ports": [{"name": "redis", "port": c.REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}}
+
+
+def render_all(ctx: RenderContext) -> list[Manifest]:
+    """Every child in apply order (config and storage before the pods that mount them). The trainer Job included."""
+    out: list[Manifest | None] = [config_map(ctx), checkpoint_pvc(ctx)]
+    if ctx.in_cluster_redis:
+        out += [redis_service(ctx), redis_statefulset(ctx)]
+    out += [serving_deployment(ctx), serving_service(ctx), feedback_deployment(ctx), feedback_service(ctx),
+            trainer_service(ctx), trainer_job(ctx), ingress(ctx)]
+    if ctx.monitors_enabled:
+        out += [service_monitor(ctx), pod_monitor(ctx)]
+    return [m for m in out if m is not None]
+
+
+def endpoints(ctx: RenderContext) -> dict[str, str]:
+    base = f"{ctx.namespace}.svc"
+    scheme = "https" if ctx.cfg.ingress.tls_secret else "http"
+    return {
+        "completions": f"http://{ctx.child('serving')}.{base}:{ctx.cfg.serving.port}/v1/completions",
+        "feedback": f"http://{ctx.child('feedback')}.{base}:{ctx.cfg.feedback.port}/api/training/submit",
+        "ingress": f"{scheme}://{ctx.cfg.ingress.host}" if ctx.cfg.ingress.enabled and ctx.cfg.ingress.host else "",
+    }

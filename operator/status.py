@@ -1,0 +1,162 @@
+"""The OnlineRLJob status: its schema (a pydantic model, also the CRD's status schema) and pure functions that derive
+conditions and the phase from what the operator observed. No I/O here, so every rule is unit-testable."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+ConditionType = Literal["Ready", "ServingReady", "FeedbackReady", "TrainerRunning", "PolicyPromoted", "Degraded"]
+CONDITION_TYPES: tuple[str, ...] = ConditionType.__args__  # type: ignore[attr-defined]
+Phase = Literal["Pending", "Running", "Suspended", "Degraded", "Failed", "Invalid"]
+REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Condition(_Status):
+    """metav1.Condition: the format kubectl, Argo CD and `kubectl wait --for=condition=Ready` understand."""
+
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=REASON_PATTERN, max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class Endpoints(_Status):
+    completions: str = Field("", description="In-cluster URL of the OpenAI-compatible completions API.")
+    feedback: str = Field("", description="In-cluster URL of Continue's training-data upload.")
+    ingress: str = Field("", description="External base URL when an Ingress is enabled.")
+
+
+class JobStatus(_Status):
+    """Everything a user needs from `kubectl get orl -o yaml`; kopf's own bookkeeping lives in annotations."""
+
+    observed_generation: int | None = Field(None, ge=0)
+    phase: Phase = "Pending"
+    message: str = Field("", max_length=32768)
+    conditions: list[Condition] = Field(default_factory=list)
+    stable_version: int | None = Field(None, ge=0)
+    candidate_version: int | None = Field(None, ge=0)
+    pinned_version: int | None = Field(None, ge=0)
+    canary_share: float | None = Field(None, ge=0, le=1)
+    accept_rate: float | None = Field(None, ge=0, le=1, description="Accepted / shown of the stable version.")
+    shown: int | None = Field(None, ge=0, description="Completions shown for the stable version.")
+    samples_trained: int | None = Field(None, ge=0)
+    trainer_step: int | None = Field(None, ge=0)
+    last_checkpoint_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    trainer_restarts: int = Field(0, ge=0, description="Failed trainer Jobs recreated since the last spec change.")
+    trainer_retry_after: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    redis_reachable: bool | None = None
+    endpoints: Endpoints = Field(default_factory=Endpoints)
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def iso_from_epoch(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def epoch_from_iso(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+@dataclass
+class Observation:
+    """What one reconcile/observe pass saw; the input of :func:`derive_conditions`."""
+
+    generation: int | None = None
+    invalid: str = ""  # non-empty: the spec cannot be rendered, with the reason
+    serving_ready: bool | None = None
+    serving_message: str = ""
+    feedback_ready: bool | None = None
+    feedback_message: str = ""
+    trainer_state: Literal["running", "pending", "suspended", "failed", "retrying", "completed", "absent"] = "absent"
+    trainer_message: str = ""
+    stable_version: int | None = None
+    candidate_version: int | None = None
+    problems: list[str] = field(default_factory=list)  # degraded but running: Redis down, monitoring API missing
+
+
+def _cond(ctype: str, ok: bool | None, reason: str, message: str) -> dict[str, str]:
+    status = "Unknown" if ok is None else ("True" if ok else "False")
+    return {"type": ctype, "status": status, "reason": reason, "message": message}
+
+
+def derive_conditions(obs: Observation) -> list[dict[str, str]]:
+    """The six standard conditions (without timestamps) from one observation."""
+    if obs.invalid:
+        msg = f"invalid spec: {obs.invalid}"
+        return [
+            _cond("Ready", False, "InvalidSpec", msg),
+            _cond("ServingReady", None, "InvalidSpec", msg),
+            _cond("FeedbackReady", None, "InvalidSpec", msg),
+            _cond("TrainerRunning", None, "InvalidSpec", msg),
+            _cond("PolicyPromoted", None, "InvalidSpec", msg),
+            _cond("Degraded", True, "InvalidSpec", msg),
+        ]
+    trainer_ok = obs.trainer_state == "running"
+    trainer_reason = {
+        "running": "Running", "pending": "Starting", "suspended": "Suspended", "failed": "BackoffLimitExceeded",
+        "retrying": "Restarting", "completed": "Completed", "absent": "NotCreated",
+    }[obs.trainer_state]
+    promoted = obs.stable_version is not None and obs.stable_version > 0
+    promoted_msg = (f"policy v{obs.stable_version} is stable" if promoted else
+                    "serving the base model (v0); no trained version promoted yet" if obs.stable_version == 0 else
+                    "policy table not readable yet")
+    degraded_msgs = list(obs.problems)
+    if obs.trainer_state in ("failed", "retrying"):
+        degraded_msgs.insert(0, obs.trainer_message)
+    trainer_fine = trainer_ok or obs.trainer_state == "suspended"
+    ready = bool(obs.serving_ready and obs.feedback_ready and trainer_fine and not degraded_msgs)
+    not_ready = [m for m, ok in ((obs.serving_message, obs.serving_ready), (obs.feedback_message, obs.feedback_ready),
+                                 (obs.trainer_message, trainer_fine)) if not ok and m]
+    return [
+        _cond("Ready", ready, "AllComponentsReady" if ready else "ComponentsNotReady",
+              "serving, feedback and trainer are up" if ready else "; ".join(not_ready + degraded_msgs)),
+        _cond("ServingReady", obs.serving_ready, "Ready" if obs.serving_ready else "NotReady", obs.serving_message),
+        _cond("FeedbackReady", obs.feedback_ready, "Ready" if obs.feedback_ready else "NotReady", obs.feedback_message),
+        _cond("TrainerRunning", trainer_ok, trainer_reason, obs.trainer_message),
+        _cond("PolicyPromoted", promoted if obs.stable_version is not None else None,
+              "Promoted" if promoted else "BaseModel" if obs.stable_version == 0 else "Unknown", promoted_msg),
+        _cond("Degraded", bool(degraded_msgs), "Problems" if degraded_msgs else "Healthy",
+              "; ".join(degraded_msgs) or "no problems seen"),
+    ]
+
+
+def derive_phase(obs: Observation) -> str:
+    if obs.invalid:
+        return "Invalid"
+    if obs.trainer_state == "failed":
+        return "Failed"
+    if obs.problems or obs.trainer_state == "retrying":
+        return "Degraded"
+    if not (obs.serving_ready and obs.feedback_ready):
+        return "Pending"
+    if obs.trainer_state == "suspended":
+        return "Suspended"
+    return "Running" if obs.trainer_state == "running" else "Pending"
+
+
+def stamp_conditions(new: list[dict[str, str]], old: list[dict], generation: int | None, now: str) -> list[dict]:
+    """Add lastTransitionTime (kept from ``old`` while the status value is unchanged) and observedGeneration."""
+    previous = {c.get("type"): c for c in old or []}
+    out = []
+    for c in new:
+        before = previous.get(c["type"])
+        changed = before is None or before.get("status") != c["status"]
+        stamped = {**c, "lastTransitionTime": now if changed else before.get("lastTransitionTime", now)}
+        if generation is not None:
+            stamped["observedGeneration"] = generation
+        out.append(stamped)
+    return out

@@ -1,4 +1,7 @@
-"""Write crds/onlinerljob.yaml from the pydantic models (`--check` fails if the committed file is stale)."""
+"""Write the CRD from the pydantic models into crds/ and the chart's copy (`--check` fails if either is stale).
+
+The chart renders its copy as a normal template (so `helm upgrade` upgrades the CRD); both files must be identical.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,10 @@ from pathlib import Path
 
 from onlinerl_operator.crdgen import render_yaml
 
-CRD_PATH = Path(__file__).resolve().parent.parent / "crds" / "onlinerljob.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+CRD_PATH = ROOT / "crds" / "onlinerljob.yaml"
+CHART_COPY = ROOT / "charts" / "onlinerl" / "files" / "crds" / "onlinerljob.yaml"
+TARGETS = (CRD_PATH, CHART_COPY)
 
 
 def main() -> int:
@@ -17,12 +23,14 @@ def main() -> int:
     args = parser.parse_args()
     text = render_yaml()
     if args.check:
-        if not CRD_PATH.is_file() or CRD_PATH.read_text() != text:
-            print(f"{CRD_PATH} is stale: run python tools/gen_crd.py", file=sys.stderr)
-            return 1
-        return 0
-    CRD_PATH.write_text(text)
-    print(f"wrote {CRD_PATH}")
+        stale = [p for p in TARGETS if not p.is_file() or p.read_text() != text]
+        for p in stale:
+            print(f"{p} is stale: run python tools/gen_crd.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p in TARGETS:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        print(f"wrote {p}")
     return 0
 
 

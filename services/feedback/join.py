@@ -1,0 +1,111 @@
+"""Join a feedback event to the completion the gateway served: pure functions, no I/O.
+
+Continue post-processes what the model generated before showing it: it may cut the text (the shown text is a prefix
+of the generation) or strip whitespace around it. We accept exactly those three relations (``exact``, ``prefix``,
+``trimmed``) and nothing else, so a client can never make us train on text the policy did not produce.
+
+Which tokens are trained on: the longest *prefix* of the generated tokens whose text ends inside the shown span.
+A prefix (never a gap) keeps ``prompt + kept tokens`` identical to what the policy actually conditioned on, so the
+behaviour log-probs stay valid. Leading whitespace that Continue stripped is therefore kept (the model produced it
+and the shown text was conditioned on it); a token cut in the middle, and everything after it, is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from onlinerl.schemas import RolloutRecord
+
+MatchKind = Literal["exact", "prefix", "trimmed"]
+_RANK: dict[str, int] = {"exact": 0, "prefix": 1, "trimmed": 2}
+
+
+@dataclass(frozen=True)
+class Span:
+    """How the shown text relates to one generated text: the kind of match and the shown char span in it."""
+
+    match: MatchKind
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Join:
+    """A matched event: the rollout, how it matched, and the tokens kept for training."""
+
+    record: RolloutRecord
+    span: Span
+    token_ids: list[int]
+    logprobs: list[float]
+
+    @property
+    def match(self) -> MatchKind:
+        return self.span.match
+
+
+def match_span(generated: str, shown: str) -> Span | None:
+    """The relation between generated and shown text, or None when the shown text is not derived from it."""
+    if shown == generated:
+        return Span("exact", 0, len(generated))
+    if shown and generated.startswith(shown):
+        return Span("prefix", 0, len(shown))
+    core = shown.strip()
+    lead = len(generated) - len(generated.lstrip())
+    if not core:
+        # Whitespace-only shown text joins only a whitespace-only generation (an empty suggestion): keep it all.
+        return Span("trimmed", 0, len(generated)) if not generated.strip() else None
+    if generated[lead:].startswith(core):
+        return Span("trimmed", lead, lead + len(core))
+    return None
+
+
+def kept_token_count(token_offsets: list[int], completion_len: int, span_end: int, n_tokens: int) -> int:
+    """How many leading tokens end at or before ``span_end`` (token i covers [off[i], off[i+1]) or to the text end).
+
+    Without usable offsets nothing can be cut safely: all tokens are kept only if the whole text was shown.
+    """
+    if len(token_offsets) != n_tokens:
+        return n_tokens if span_end >= completion_len else 0
+    kept = 0
+    for i in range(n_tokens):
+        token_end = token_offsets[i + 1] if i + 1 < n_tokens else completion_len
+        if token_end > span_end:
+            break
+        kept = i + 1
+    return kept
+
+
+def cut_to_span(record: RolloutRecord, span: Span) -> Join:
+    """The record with its token lists cut to the tokens that lie within the shown span (see module doc)."""
+    n = min(len(record.completion_token_ids), len(record.behaviour_logprobs))
+    k = kept_token_count(record.token_offsets, len(record.completion), span.end, n)
+    return Join(record, span, list(record.completion_token_ids[:k]), list(record.behaviour_logprobs[:k]))
+
+
+def find_join(records: Iterable[RolloutRecord], shown: str, tenant: str) -> Join | None:
+    """The best matching rollout of ``tenant`` for the shown text: exact > prefix > trimmed, then the most tokens
+    kept, then the newest. Records of another tenant never match (defence in depth: keys are tenant-scoped)."""
+    best: tuple[tuple[int, int, float], Join] | None = None
+    for record in records:
+        if record.tenant != tenant:
+            continue
+        span = match_span(record.completion, shown)
+        if span is None:
+            continue
+        joined = cut_to_span(record, span)
+        rank = (_RANK[span.match], -len(joined.token_ids), -record.created_at)
+        if best is None or rank < best[0]:
+            best = (rank, joined)
+    return None if best is None else best[1]
+
+
+def common_prefix_join(record: RolloutRecord, shown: str) -> Join:
+    """For ``feedback.trainUnmatched`` only: the tokens of the longest common prefix of generated and shown text."""
+    limit = 0
+    for a, b in zip(record.completion, shown, strict=False):
+        if a != b:
+            break
+        limit += 1
+    return cut_to_span(record, Span("prefix", 0, limit))

@@ -22,7 +22,7 @@ class _Record(BaseModel):
         return orjson.dumps(self.model_dump(mode="json"))
 
     @classmethod
-    def from_json(cls, raw: bytes | str):  # noqa: ANN206 - returns cls
+    def from_json(cls, raw: bytes | str):
         return cls.model_validate(orjson.loads(raw))
 
 

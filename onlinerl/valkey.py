@@ -53,7 +53,7 @@ class EmbeddedValkey:
                 r.ping()
                 r.close()
                 return
-            except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            except Exception as exc:
                 last = exc
                 time.sleep(0.05)
         raise TimeoutError(f"valkey on port {self.port} not ready after {timeout}s: {last}")

@@ -54,7 +54,7 @@ def _eval(args: argparse.Namespace) -> int:
             done["n"] += 1
             print(f"\r[eval] v{v}: {done['n']}/{total}", end="", file=sys.stderr, flush=True)
 
-        run = asyncio.run(run_version(samples, factory, v, args.concurrency, tick))
+        run = asyncio.run(run_version(samples, factory, v, args.concurrency, tick, args.max_prefix_chars))
         print(file=sys.stderr)
         summaries[f"v{v}"] = summarize(run.records)
         with open(out / f"v{v}.jsonl", "w") as f:

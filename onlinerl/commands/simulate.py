@@ -18,6 +18,8 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--data", type=Path, default=None, help="JSONL split (default: <state>/data/train.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N samples of the split")
+    p.add_argument("--max-prefix-chars", type=int, default=1200,
+                   help="keep this many characters before the cursor (Continue's maxPromptTokens, in chars)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +70,7 @@ def _simulate(args: argparse.Namespace) -> int:
     _, samples, factory = make_client_factory(args, "train")
     opts = SimulateOptions(requests=args.requests, concurrency=args.concurrency, accept_delay_s=args.accept_delay,
                            reject_window_s=args.reject_window, seed=args.seed, duration_s=args.duration,
+                           max_prefix_chars=args.max_prefix_chars,
                            rule=AcceptRule(args.min_prefix_chars, args.min_similarity))
     timeline = args.timeline or args.state / "timeline.jsonl"
     totals = asyncio.run(simulate(samples, factory, opts, timeline))

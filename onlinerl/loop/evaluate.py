@@ -15,7 +15,7 @@ import httpx
 from onlinerl.data.builder import FimSample
 from onlinerl.loop.continue_client import ContinueClient
 from onlinerl.loop.eval_metrics import EvalRecord
-from onlinerl.loop.user_model import shown_text
+from onlinerl.loop.user_model import continue_postprocess
 
 
 @dataclass
@@ -26,7 +26,8 @@ class VersionRun:
 
 
 async def run_version(samples: list[FimSample], client_factory: Callable[[int], ContinueClient], version: int,
-                      concurrency: int = 4, on_done: Callable[[], None] | None = None) -> VersionRun:
+                      concurrency: int = 4, on_done: Callable[[], None] | None = None,
+                      max_prefix_chars: int = 1200) -> VersionRun:
     """Complete every sample with ``version`` pinned; a request served by another version counts as failed."""
     queue: asyncio.Queue[FimSample] = asyncio.Queue()
     for s in samples:
@@ -38,11 +39,12 @@ async def run_version(samples: list[FimSample], client_factory: Callable[[int], 
         client = client_factory(uid)
         while not queue.empty():
             s = queue.get_nowait()
-            res = await client.complete(http, client.template.render(s.prefix, s.suffix), pin_version=version)
+            prefix = s.prefix[-max_prefix_chars:]
+            res = await client.complete(http, client.template.render(prefix, s.suffix), pin_version=version)
             if res.version is not None:
                 served.add(res.version)
             wrong = res.version is not None and res.version != version
-            records.append(EvalRecord(s.id, s.middle, shown_text(res.text), failed=res.failed or wrong,
+            records.append(EvalRecord(s.id, s.middle, continue_postprocess(res.text, prefix, s.suffix), failed=res.failed or wrong,
                                       version=version))
             if on_done:
                 on_done()

@@ -21,7 +21,7 @@ import orjson
 
 from onlinerl.data.builder import FimSample
 from onlinerl.loop.continue_client import ContinueClient
-from onlinerl.loop.user_model import AcceptRule, decide, shown_text
+from onlinerl.loop.user_model import AcceptRule, continue_postprocess, decide
 
 
 @dataclass
@@ -32,6 +32,7 @@ class SimulateOptions:
     reject_window_s: float = 10.0
     seed: int = 0
     duration_s: float | None = None
+    max_prefix_chars: int = 1200
     rule: AcceptRule = AcceptRule()
 
 
@@ -111,7 +112,8 @@ async def simulate(samples: list[FimSample], client_factory: Callable[[int], Con
                     return
                 sample = samples[order[next_index % len(order)]]
                 next_index += 1
-            prompt = client.template.render(sample.prefix, sample.suffix)
+            prefix = sample.prefix[-opts.max_prefix_chars:]
+            prompt = client.template.render(prefix, sample.suffix)
             res = await client.complete(http, prompt)
             totals.requests += 1
             entry = {"t": round(time.time(), 3), "user": uid, "sample_id": sample.id, "kind": sample.kind,
@@ -126,12 +128,12 @@ async def simulate(samples: list[FimSample], client_factory: Callable[[int], Con
                 continue
             if res.version is not None:
                 totals.versions.add(res.version)
-            shown = shown_text(res.text)
+            shown = continue_postprocess(res.text, prefix, sample.suffix)
             accepted = decide(shown, sample.middle, opts.rule)
             totals.shown += bool(shown)
             totals.accepted += accepted
             entry.update(shown=shown, accepted=accepted, middle_first_line=sample.middle.strip().split("\n")[0][:120])
-            body = client.outcome(prompt=prompt, prefix=sample.prefix, suffix=sample.suffix, filepath=sample.file,
+            body = client.outcome(prompt=prompt, prefix=prefix, suffix=sample.suffix, filepath=sample.file,
                                   shown=shown, accepted=accepted, latency_ms=res.latency_ms)
             delay = opts.accept_delay_s if accepted else opts.reject_window_s
             task = asyncio.create_task(upload(client, http, body, delay, entry))

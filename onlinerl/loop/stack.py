@@ -140,8 +140,9 @@ class Stack:
 def start_stack(cfg: OnlineRLConfig, state: Path, *, build_data: bool = True,
                 on_step: Callable[[str], None] = say) -> Stack:
     """Start every component and return the running :class:`Stack` (the caller stops it)."""
-    from onlinerl.model import resolve_model_path
     from onlinerl_serving.engine import start_vllm
+
+    from onlinerl.model import resolve_model_path
 
     paths = StackPaths(state)
     paths.logs.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,14 @@ import sys
 
 import pytest
 
-from onlinerl.model import CHECKSUMS_FILE, ModelError, _write_checksums, bootstrap_smollm2, resolve_model_path, verify_folder
+from onlinerl.model import (
+    CHECKSUMS_FILE,
+    ModelError,
+    _write_checksums,
+    bootstrap_smollm2,
+    resolve_model_path,
+    verify_folder,
+)
 
 
 def test_bootstrap_is_idempotent_and_verified(smollm2_path):

@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "onlinerl.commands.up",
     "onlinerl.commands.status",
     "onlinerl.commands.simulate",
+    "onlinerl.commands.policy",
     "onlinerl.commands.eval",
 ]
 

@@ -1,0 +1,77 @@
+"""``onlinerl policy show|pin|unpin|rollback|pause|resume``: act on the live policy table in Redis."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("policy", help="show or steer the live rollout (pin, rollback, pause)")
+    p.add_argument("--redis-url", default=None, help="default: redis.url of the config")
+    p.add_argument("--job", default=None, help="default: job of the config")
+    psub = p.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
+    psub.add_parser("show", help="policy table, versions, verdicts and the latest decisions (JSON)").set_defaults(
+        func=_show)
+    pin = psub.add_parser("pin", help="serve every user version N (0 = base model)")
+    pin.add_argument("version", type=int)
+    pin.add_argument("--force", action="store_true", help="pin even if serving has not loaded N")
+    pin.set_defaults(func=_pin)
+    psub.add_parser("unpin", help="back to stable/candidate routing").set_defaults(func=_unpin)
+    rb = psub.add_parser("rollback", help="end the canary, or make N (default: the previous stable) stable")
+    rb.add_argument("version", type=int, nargs="?", default=None)
+    rb.add_argument("--force", action="store_true", help="roll back even if serving has not loaded N")
+    rb.set_defaults(func=_rollback)
+    psub.add_parser("pause", help="stop promotions and new candidates (rollbacks still happen)").set_defaults(
+        func=_pause)
+    psub.add_parser("resume", help="allow promotions again").set_defaults(func=_resume)
+
+
+def _store(args: argparse.Namespace):
+    from onlinerl.config import load_config
+    from onlinerl.rollout.manual import connect
+
+    cfg = load_config(args.config)
+    return connect(args.redis_url if args.redis_url is not None else cfg.redis.url, args.job or cfg.job)
+
+
+def _print_decision(rec) -> int:
+    print(f"{rec.decision}: {rec.reason}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from onlinerl.rollout.manual import show
+
+    print(json.dumps(show(_store(args)), indent=2, default=str))
+    return 0
+
+
+def _pin(args: argparse.Namespace) -> int:
+    from onlinerl.rollout.manual import pin
+
+    return _print_decision(pin(_store(args), args.version, force=args.force))
+
+
+def _unpin(args: argparse.Namespace) -> int:
+    from onlinerl.rollout.manual import pin
+
+    return _print_decision(pin(_store(args), None))
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from onlinerl.rollout.manual import rollback
+
+    return _print_decision(rollback(_store(args), args.version, force=args.force))
+
+
+def _pause(args: argparse.Namespace) -> int:
+    from onlinerl.rollout.manual import set_paused
+
+    return _print_decision(set_paused(_store(args), True))
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from onlinerl.rollout.manual import set_paused
+
+    return _print_decision(set_paused(_store(args), False))

@@ -1,0 +1,97 @@
+"""``python -m onlinerl.rollout``: the rollout controller as a process, with ``/metrics`` and ``/healthz``.
+
+The eval gate needs an evaluator: ``--evaluator module:function`` (or ``$ONLINERL_ROLLOUT_EVALUATOR``), a callable
+``EvalRequest -> GateInput``. Without one, start-up fails unless ``rollout.gate.enabled`` is false.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import redis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from onlinerl.config import ConfigError, load_config
+from onlinerl.rollout.controller import Evaluator, RolloutController
+
+DEFAULT_PORT = 8005
+
+
+def load_evaluator(spec: str) -> Evaluator:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ConfigError(f"--evaluator must be module:function, got {spec!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def serve_http(controller: RolloutController, port: int, interval: float) -> ThreadingHTTPServer:
+    """``/metrics`` (Prometheus) and ``/healthz`` (200 while ticks reach Redis or an eval runs, else 503)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                body, ctype, code = generate_latest(controller.metrics.registry), CONTENT_TYPE_LATEST, 200
+            elif self.path == "/healthz":
+                last = controller.last_tick_ok
+                healthy = controller.evaluating is not None or (
+                    last is not None and time.monotonic() - last < 3 * interval + 5)
+                body, ctype, code = (b"ok" if healthy else b"no successful tick recently"), "text/plain", (
+                    200 if healthy else 503)
+            else:
+                body, ctype, code = b"not found: try /metrics or /healthz", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # scrapes are not worth a log line
+            pass
+
+    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    threading.Thread(target=server.serve_forever, name="rollout-http", daemon=True).start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m onlinerl.rollout", description=__doc__)
+    ap.add_argument("--config", "-c", default=None)
+    ap.add_argument("--evaluator", default=os.environ.get("ONLINERL_ROLLOUT_EVALUATOR", ""))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("ONLINERL_ROLLOUT_PORT", DEFAULT_PORT)))
+    ap.add_argument("--interval", type=float, default=5.0, help="seconds between ticks")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config)
+        if not cfg.redis.url:
+            raise ConfigError("redis.url: the rollout controller needs the job's Redis (set redis.url)")
+        evaluator = load_evaluator(args.evaluator) if args.evaluator else None
+        r = redis.Redis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds)
+        controller = RolloutController(r, cfg.job, cfg.rollout, evaluator)
+    except (ConfigError, ValueError, ImportError, AttributeError) as exc:
+        print(f"onlinerl.rollout: error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = serve_http(controller, args.port, args.interval)
+    logging.getLogger("onlinerl.rollout").info("rollout controller for job %s (strategy %s) on :%d",
+                                                cfg.job, cfg.rollout.strategy, args.port)
+    try:
+        controller.run(stop, args.interval)
+    finally:
+        server.shutdown()
+        r.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The rollout controller: turns loaded versions into gated candidates, and candidates into promotions or rollbacks.
+
+One ``tick`` reads the live policy table and acts on it (strategy ``canary`` only; under ``direct`` the reloader
+makes each version stable itself):
+
+* no candidate: the newest loaded version above stable that the rollout has not judged goes through the eval gate
+  (an injected ``Evaluator``); pass -> it becomes the candidate with ``rollout.canaryShare`` of users; fail -> the
+  version is recorded ``gate_failed`` and the trainer keeps going (the next version gets its own chance);
+* a candidate: counters since it started are compared with ``decision.decide``; promote / rollback / hold at each
+  look, applied and recorded atomically (``store.RolloutStore.apply``). A decided version is final.
+
+``pinned`` stops all verdicts (traffic is pinned, the canary learns nothing). ``paused`` stops promotion and new
+candidates, but not rollbacks: pausing must never keep a worse policy in front of users.
+
+Every decision goes to the ``decisions`` stream, the Prometheus counter, and each ``on_decision`` callback (the
+operator plugs Kubernetes Events and status conditions in here, or tails the stream with ``decisions_after``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis
+
+from onlinerl.config import RolloutConfig
+from onlinerl.keys import Keys
+from onlinerl.rollout.decision import ArmStats, DecisionRules, Verdict, decide
+from onlinerl.rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
+from onlinerl.rollout.metrics import RolloutMetrics
+from onlinerl.rollout.records import DecisionRecord, RolloutState
+from onlinerl.rollout.store import RolloutStore
+from onlinerl.schemas import PolicyTable
+
+log = logging.getLogger("onlinerl.rollout")
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """What the gate asks the evaluator for: ``samples`` eval requests to each of the two versions."""
+
+    job: str
+    candidate: int
+    stable: int
+    samples: int
+
+
+Evaluator = Callable[[EvalRequest], GateInput]
+DecisionHook = Callable[[DecisionRecord], None]
+
+
+class RolloutController:
+    def __init__(self, r: redis.Redis, job: str, cfg: RolloutConfig, evaluator: Evaluator | None = None, *,
+                 clock: Callable[[], float] = time.time, on_decision: Iterable[DecisionHook] = (),
+                 metrics: RolloutMetrics | None = None, gate_attempts: int = 3) -> None:
+        if cfg.strategy == "canary" and cfg.gate.enabled and evaluator is None:
+            raise ValueError("rollout.gate.enabled needs an evaluator (or set rollout.gate.enabled: false)")
+        self.keys = Keys(job)
+        self.store = RolloutStore(r, self.keys)
+        self.cfg = cfg
+        self.rules = DecisionRules.from_config(cfg)
+        self.evaluator = evaluator
+        self.clock = clock
+        self.on_decision = list(on_decision)
+        self.metrics = metrics or RolloutMetrics()
+        self.gate_attempts = gate_attempts
+        self._gate_errors: dict[int, int] = {}
+        self._paused_noted: set[tuple[int, int]] = set()
+        self.last_tick_ok: float | None = None  # monotonic time of the last tick that reached Redis
+        self.evaluating: int | None = None  # the version under eval (an eval can take minutes: still healthy)
+
+    # --- the loop ----------------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event, interval: float = 5.0) -> None:
+        """Tick every ``interval`` s until ``stop`` is set; Redis outages are logged and retried, never fatal."""
+        while not stop.is_set():
+            try:
+                self.tick()
+            except redis.RedisError as exc:
+                log.warning("rollout tick failed (will retry): %s", exc)
+            stop.wait(interval)
+
+    def tick(self) -> list[DecisionRecord]:
+        """One pass; returns the decisions recorded in it."""
+        if self.cfg.strategy != "canary":
+            self.last_tick_ok = time.monotonic()
+            return []
+        table = self.store.policy()
+        out = self._start_candidate(table) if table.candidate is None else self._judge_candidate(table)
+        self.last_tick_ok = time.monotonic()
+        return out
+
+    # --- gate ----------------------------------------------------------------------------------------------------
+    def _start_candidate(self, table: PolicyTable) -> list[DecisionRecord]:
+        self.metrics.no_canary()
+        if table.paused:
+            return []
+        judged = self.store.states()
+        fresh = sorted(v for v, s in self.store.versions().items()
+                       if s.state == "loaded" and v > table.stable and v not in judged)
+        if not fresh:
+            return []
+        out = [rec for old in fresh[:-1] if (rec := self._supersede(old, fresh[-1], table.stable))]
+        newest = fresh[-1]
+        result = self._run_gate(newest, table.stable)
+        if result is None:  # evaluator error, will retry
+            return out
+        now = self.clock()
+        if isinstance(result, str):
+            passed, reason, figures = False, result, {}
+        else:
+            passed, reason, figures = result.passed, "; ".join(result.reasons) or "gate passed", result.figures()
+        if passed:
+            state = RolloutState(version=newest, state="canary", started_at=now, stable_version=table.stable,
+                                 reason=reason)
+            rec = DecisionRecord(decision="gate_pass", version=newest, stable=table.stable, reason=reason,
+                                 figures={**figures, "canary_share": self.cfg.canary_share}, at=now)
+            ok = self.store.apply(rec, expect_stable=table.stable, expect_candidate=None, states=[state],
+                                  policy={"candidate": newest, "canary_share": self.cfg.canary_share},
+                                  snapshot_stable=table.stable)
+        else:
+            state = RolloutState(version=newest, state="gate_failed", stable_version=table.stable, decided_at=now,
+                                 reason=reason)
+            rec = DecisionRecord(decision="gate_fail", version=newest, stable=table.stable, reason=reason,
+                                 figures=figures, at=now)
+            ok = self.store.apply(rec, states=[state])
+        if ok:
+            self._emit(rec)
+            out.append(rec)
+        return out
+
+    def _run_gate(self, version: int, stable: int) -> GateResult | str | None:
+        """The gate's result; a reason string when it failed without figures; None to retry on the next tick."""
+        if not self.cfg.gate.enabled:
+            return _passed_without_eval()
+        req = EvalRequest(self.keys.job, version, stable, self.cfg.gate.eval_samples)
+        self.evaluating = version
+        try:
+            inp = self.evaluator(req)  # type: ignore[misc]
+        except Exception as exc:
+            n = self._gate_errors[version] = self._gate_errors.get(version, 0) + 1
+            log.warning("eval of v%d failed (attempt %d of %d): %s", version, n, self.gate_attempts, exc)
+            return f"evaluator failed {n} times: {exc}" if n >= self.gate_attempts else None
+        finally:
+            self.evaluating = None
+        return evaluate_gate(inp, GateThresholds.from_config(self.cfg.gate))
+
+    def _supersede(self, version: int, by: int, stable: int) -> DecisionRecord | None:
+        now = self.clock()
+        reason = f"v{by} is newer: only the newest loaded version is gated"
+        rec = DecisionRecord(decision="supersede", version=version, stable=stable, reason=reason, at=now)
+        state = RolloutState(version=version, state="superseded", decided_at=now, stable_version=stable, reason=reason)
+        if self.store.apply(rec, states=[state]):
+            self._emit(rec)
+            return rec
+        return None
+
+    # --- canary ---------------------------------------------------------------------------------------------------
+    def _judge_candidate(self, table: PolicyTable) -> list[DecisionRecord]:
+        cand, stable = table.candidate, table.stable
+        state = self.store.state(cand)
+        if state is None or state.state != "canary" or state.stable_version != stable:
+            return self._restart_canary(table, state)
+        cand_stats = self.store.arm_stats(cand, "candidate")
+        stable_stats = self.store.arm_stats(stable, "stable").minus(ArmStats.from_mapping(state.baseline))
+        now = self.clock()
+        v = decide(cand_stats, stable_stats, now - state.started_at, state.last_look, self.rules)
+        self.metrics.observe_canary(cand, stable, v.p_accept_rate, cand_stats.accept_rate, stable_stats.accept_rate)
+        if table.pinned is not None:
+            return []
+        if not v.evaluated:
+            return self._maybe_supersede_inconclusive(table, state)
+        if v.action == "promote" and table.paused:
+            if (cand, v.look) in self._paused_noted:
+                return []
+            self._paused_noted.add((cand, v.look))
+            rec = self._record(v, cand, stable, now, "hold", f"paused: would promote ({v.reason})")
+            if not self.store.apply(rec, expect_stable=stable, expect_candidate=cand):
+                return []
+            self._emit(rec)
+            return [rec]
+        rec = self._record(v, cand, stable, now, v.action, v.reason)
+        if v.action == "hold":
+            new_state = state.model_copy(update={"last_look": v.look})
+            policy = None
+        else:
+            new_state = state.model_copy(update={
+                "state": "promoted" if v.action == "promote" else "rolled_back", "last_look": v.look,
+                "decided_at": now, "reason": v.reason,
+                "previous_stable": stable if v.action == "promote" else None})
+            policy = {"candidate": None, "canary_share": 0.0}
+            if v.action == "promote":
+                policy["stable"] = cand
+        if not self.store.apply(rec, expect_stable=stable, expect_candidate=cand, policy=policy, states=[new_state]):
+            log.info("policy table changed while deciding on v%d; re-reading next tick", cand)
+            return []
+        self._emit(rec)
+        return [rec, *(self._maybe_supersede_inconclusive(table, new_state) if v.action == "hold" else [])]
+
+    def _maybe_supersede_inconclusive(self, table: PolicyTable, state: RolloutState) -> list[DecisionRecord]:
+        """An inconclusive candidate (equal within noise after ``max_looks``) yields to a newer loaded version."""
+        if table.paused or not self.rules.inconclusive(state.last_look):
+            return []
+        judged = self.store.states()
+        newer = [v for v, s in self.store.versions().items()
+                 if s.state == "loaded" and v > state.version and v not in judged]
+        if not newer:
+            return []
+        now = self.clock()
+        reason = (f"inconclusive after {state.last_look + 1} looks; v{max(newer)} is newer and gets the canary "
+                  "(no verdict on quality)")
+        rec = DecisionRecord(decision="supersede", version=state.version, stable=table.stable, reason=reason, at=now)
+        done = state.model_copy(update={"state": "superseded", "decided_at": now, "reason": reason})
+        if not self.store.apply(rec, expect_stable=table.stable, expect_candidate=state.version,
+                                policy={"candidate": None, "canary_share": 0.0}, states=[done]):
+            return []
+        self._emit(rec)
+        return [rec]
+
+    def _restart_canary(self, table: PolicyTable, state: RolloutState | None) -> list[DecisionRecord]:
+        """The candidate was set by hand, or stable changed under it: restart its canary with a fresh baseline."""
+        cand, stable = table.candidate, table.stable
+        now = self.clock()
+        why = ("candidate set outside the controller" if state is None or state.state != "canary"
+               else f"stable changed from v{state.stable_version} to v{stable}")
+        rec = DecisionRecord(decision="hold", version=cand, stable=stable, reason=f"canary restarted: {why}", at=now)
+        new_state = RolloutState(version=cand, state="canary", started_at=now, stable_version=stable, reason=why)
+        ok = self.store.apply(rec, expect_stable=stable, expect_candidate=cand, states=[new_state],
+                              snapshot_stable=stable)
+        if ok:
+            self._emit(rec)
+            return [rec]
+        return []
+
+    @staticmethod
+    def _record(v: Verdict, cand: int, stable: int, now: float, action: str, reason: str) -> DecisionRecord:
+        return DecisionRecord(decision=action, version=cand, stable=stable, reason=reason, figures=v.figures(), at=now)
+
+    def _emit(self, rec: DecisionRecord) -> None:
+        self.metrics.decisions.labels(rec.decision).inc()
+        log.info("rollout decision %s v%s (stable v%s): %s", rec.decision, rec.version, rec.stable, rec.reason)
+        for hook in self.on_decision:
+            try:
+                hook(rec)
+            except Exception:
+                log.exception("on_decision hook failed for %s", rec.decision)
+
+
+def _passed_without_eval() -> GateResult:
+    from onlinerl.rollout.gate import EvalFigures
+
+    empty = EvalFigures(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return GateResult(True, ("gate disabled (rollout.gate.enabled: false)",), empty, empty)

@@ -1,0 +1,77 @@
+"""Simulated users behind the real policy table: what the gateway and feedback would write to the stats counters.
+
+Each request comes from one of ``users`` users; the user is routed like the gateway does it (deterministic per user:
+candidate when hash(user) < canary_share, pinned overrides), the served version's *true* show and accept rates
+decide the outcome, and the counters ``stats:v{N}:{arm}`` get ``served`` (gateway) and ``shown/accepted/rejected/
+empty`` (feedback) exactly as the contract names them. Outcomes are drawn from a seeded RNG: runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import redis
+
+from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyTable, PolicyVersionState
+
+
+def user_fraction(user: str) -> float:
+    return int.from_bytes(hashlib.sha256(user.encode()).digest()[:8], "big") / 2**64
+
+
+@dataclass
+class Truth:
+    accept_rate: float
+    show_rate: float = 1.0
+
+
+@dataclass
+class ArmSimulator:
+    r: redis.Redis
+    job: str
+    truth: dict[int, Truth]
+    seed: int = 0
+    users: int = 5000
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.keys = Keys(self.job)
+
+    def route(self, table: PolicyTable, user: str) -> tuple[int, str]:
+        if table.pinned is not None:
+            return table.pinned, "pinned"
+        if table.candidate is not None and user_fraction(user) < table.canary_share:
+            return table.candidate, "candidate"
+        return table.stable, "stable"
+
+    def serve(self, requests: int) -> Counter:
+        """Serve ``requests`` simulated completions against the live table; returns requests per (version, arm)."""
+        table = PolicyTable.from_redis(self.r.hgetall(self.keys.policy))
+        counts: dict[tuple[int, str], Counter] = {}
+        for _ in range(requests):
+            version, arm = self.route(table, f"user-{self.rng.randrange(self.users)}")
+            truth = self.truth[version]
+            c = counts.setdefault((version, arm), Counter())
+            c["served"] += 1
+            if self.rng.random() >= truth.show_rate:
+                c["empty"] += 1
+                continue
+            c["shown"] += 1
+            c["accepted" if self.rng.random() < truth.accept_rate else "rejected"] += 1
+        pipe = self.r.pipeline(transaction=False)
+        for (version, arm), c in counts.items():
+            for name, n in c.items():
+                pipe.hincrby(self.keys.stats(version, arm), name, n)
+        pipe.execute()
+        return Counter({k: c["served"] for k, c in counts.items()})
+
+
+def publish_loaded(r: redis.Redis, job: str, version: int) -> None:
+    """What the reloader writes once serving has loaded ``version``."""
+    r.hset(Keys(job).versions, str(version),
+           PolicyVersionState(version=version, state="loaded", served_model=f"{job}-v{version}").to_json())

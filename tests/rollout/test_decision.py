@@ -1,0 +1,93 @@
+"""The pure decision math: posteriors, looks, alpha spending, and the promote / rollback / hold rules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from onlinerl.rollout.decision import ArmStats, DecisionRules, decide, look_index, look_threshold
+from onlinerl.rollout.posterior import EXACT_TERMS, BetaPosterior, _normal_prob_greater, prob_greater
+
+RULES = DecisionRules(min_samples=200, min_dwell_seconds=60, promote_probability=0.95, rollback_probability=0.95)
+
+
+def arm(shown: int, rate: float, served: int | None = None) -> ArmStats:
+    accepted = round(shown * rate)
+    return ArmStats(shown=shown, accepted=accepted, rejected=shown - accepted, served=served or shown)
+
+
+@pytest.mark.parametrize(("a", "b"), [((60, 200), (72, 200)), ((3, 10), (1, 12)), ((300, 1000), (330, 1000))])
+def test_exact_probability_matches_monte_carlo(a, b) -> None:
+    pa, pb = BetaPosterior.from_counts(*a), BetaPosterior.from_counts(*b)
+    rng = random.Random(0)
+    n = 40_000
+    mc = sum(rng.betavariate(pb.alpha, pb.beta) > rng.betavariate(pa.alpha, pa.beta) for _ in range(n)) / n
+    assert prob_greater(pa, pb) == pytest.approx(mc, abs=0.01)
+    assert prob_greater(pa, pb) + prob_greater(pb, pa) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_probability_edge_cases_and_large_counts() -> None:
+    assert prob_greater(BetaPosterior(1, 1), BetaPosterior(1, 1)) == pytest.approx(0.5)
+    same = BetaPosterior.from_counts(300, 1000)
+    assert prob_greater(same, same) == pytest.approx(0.5, abs=1e-9)
+    big_a = BetaPosterior.from_counts(EXACT_TERMS + 5000, 100_000)
+    big_b = BetaPosterior.from_counts(EXACT_TERMS + 5600, 100_000)
+    assert prob_greater(big_a, big_b) == _normal_prob_greater(big_a, big_b)  # normal approximation path
+    assert 0.99 < prob_greater(big_a, big_b) < 1.0
+    # the exact sum and the normal approximation agree where both are cheap
+    a, b = BetaPosterior.from_counts(6000, 20_000), BetaPosterior.from_counts(6100, 20_000)
+    assert prob_greater(a, b) == pytest.approx(_normal_prob_greater(a, b), abs=1e-4)
+
+
+def test_looks_double_and_thresholds_tighten() -> None:
+    assert [look_index(n, 200) for n in (0, 199, 200, 399, 400, 799, 800, 1600, 3199, 3200)] == \
+        [-1, -1, 0, 0, 1, 1, 2, 3, 3, 4]
+    assert [look_threshold(0.95, k) for k in range(4)] == pytest.approx([0.975, 0.9875, 0.99375, 0.996875])
+    assert sum(1 - look_threshold(0.95, k) for k in range(60)) == pytest.approx(0.05)  # total error budget
+
+
+def test_holds_until_enough_samples_and_dwell() -> None:
+    better, stable = arm(150, 0.6), arm(150, 0.3)
+    v = decide(better, stable, dwell_seconds=1e6, last_look=-1, rules=RULES)
+    assert (v.action, v.evaluated) == ("hold", False) and "collecting samples: 150 of 200" in v.reason
+    v = decide(arm(250, 0.6), arm(250, 0.3), dwell_seconds=59, last_look=-1, rules=RULES)
+    assert (v.action, v.evaluated) == ("hold", False) and v.reason.startswith("dwell")
+    v = decide(arm(250, 0.6), arm(250, 0.3), dwell_seconds=60, last_look=-1, rules=RULES)
+    assert (v.action, v.evaluated, v.look) == ("promote", True, 0)
+    v = decide(arm(390, 0.6), arm(390, 0.3), dwell_seconds=60, last_look=0, rules=RULES)
+    assert (v.action, v.evaluated) == ("hold", False) and "next look at 400" in v.reason
+
+
+def test_promote_rollback_and_hysteresis_band() -> None:
+    stable = arm(1000, 0.30)
+    assert decide(arm(1000, 0.36), stable, 1e6, -1, RULES).action == "promote"
+    assert decide(arm(1000, 0.24), stable, 1e6, -1, RULES).action == "rollback"
+    # between the bars: P(better) = 0.83 is neither past 0.975 nor below 0.025 -> hold
+    v = decide(arm(1000, 0.32), stable, 1e6, -1, RULES)
+    assert v.action == "hold" and "within noise" in v.reason and 0.8 < v.p_accept_rate < 0.975
+
+
+def test_quieter_policy_rolled_back_on_yield_not_promoted_on_rate() -> None:
+    """Accept rate 0.40 vs 0.30, but shown on half the requests: 20 vs 30 accepted per 100 requests."""
+    quiet = ArmStats(shown=1000, accepted=400, rejected=600, empty=1000, served=2000)
+    stable = ArmStats(shown=2000, accepted=600, rejected=1400, served=2000)
+    v = decide(quiet, stable, 1e6, -1, RULES)
+    assert v.p_accept_rate > 0.99 and v.p_yield < 0.01
+    assert v.action == "rollback" and "accepted per 100 requests worse" in v.reason
+    assert v.figures()["candidate"]["accepted_per_100"] == 20.0
+
+
+def test_more_suggestions_at_same_accept_rate_is_promoted() -> None:
+    """Same accept rate, shown twice as often: accepted per 100 requests is credibly better."""
+    eager = ArmStats(shown=2000, accepted=600, served=2000)
+    stable = ArmStats(shown=1000, accepted=300, empty=1000, served=2000)
+    v = decide(eager, stable, 1e6, -1, RULES)
+    assert v.action == "promote" and "accepted per 100 requests better" in v.reason
+
+
+def test_counters_since_baseline() -> None:
+    now = ArmStats.from_mapping({b"shown": b"500", b"accepted": b"160", b"served": b"520", b"other": b"1"})
+    base = ArmStats.from_mapping({"shown": "100", "accepted": "30", "served": "100"})
+    assert now.minus(base) == ArmStats(shown=400, accepted=130, served=420)
+    assert ArmStats.from_mapping(None) == ArmStats()

@@ -1,0 +1,81 @@
+"""The pure eval gate: accept-rate margins and degenerate-output checks, each failure named with its figures."""
+
+from __future__ import annotations
+
+from onlinerl.config import GateConfig
+from onlinerl.rollout.gate import EvalRecord, GateInput, GateThresholds, evaluate_gate, repetition_score
+
+TH = GateThresholds.from_config(GateConfig(eval_samples=60))
+CODE = ["return a + b", "for item in items:\n    total += item.price",
+        "if not path.exists():\n    raise FileNotFoundError", "self.name = name\nself.size = size", "x = compute(y)"]
+
+
+def records(n: int = 60, accept_every: int = 3, text=lambda i: CODE[i % len(CODE)]) -> list[EvalRecord]:
+    return [EvalRecord(text(i), i % accept_every == 0) for i in range(n)]
+
+
+def gate(candidate: list[EvalRecord], stable: list[EvalRecord] | None = None):
+    return evaluate_gate(GateInput(2, 1, candidate, stable if stable is not None else records()), TH)
+
+
+def test_equal_candidate_passes_with_figures() -> None:
+    result = gate(records())
+    assert result.passed and result.reasons == ()
+    assert result.candidate.accept_rate == result.stable.accept_rate == 20 / 60
+    assert result.figures()["candidate"]["accepted_per_100"] == 100 * 20 / 60
+
+
+def test_empty_candidate_fails() -> None:
+    result = gate(records(text=lambda i: "" if i % 20 else "   "))
+    assert not result.passed
+    assert result.candidate.empty_rate == 1.0
+    assert any(r.startswith("empty rate 1.000 > max 0.9") for r in result.reasons)
+    assert any(r.startswith("accepted per 100 requests 0.00") for r in result.reasons)
+
+
+def test_repetitive_candidate_fails() -> None:
+    result = gate(records(text=lambda i: "foo(bar); " * 30))
+    assert not result.passed and result.candidate.repetition_rate > 0.9
+    assert any(r.startswith("repetition rate") for r in result.reasons)
+    result = gate(records(text=lambda i: "x = 1\n" * 8))  # the same line over and over
+    assert any(r.startswith("repetition rate") for r in result.reasons)
+
+
+def test_length_checks() -> None:
+    long = gate(records(text=lambda i: "\n".join(f"value_{i}_{j} = compute({j})" for j in range(40))))
+    assert any("x stable's, max 4.0x" in r for r in long.reasons)
+    short = gate(records(text=lambda i: "x"))
+    assert any("x stable's, min 0.25x" in r for r in short.reasons)
+
+
+def test_worse_accept_rate_fails_within_margin_passes() -> None:
+    assert any(r.startswith("accept rate") for r in gate(records(accept_every=6)).reasons)
+    # 19/60 vs 20/60 accepted: within the 0.02 and 2.0 margins
+    near = records()
+    near[0] = EvalRecord(near[0].shown_text, False)
+    assert gate(near).passed
+
+
+def test_degenerate_stable_does_not_block_a_repair() -> None:
+    """The base model loops on some prompts; a candidate that loops less must not fail for the base's sake."""
+    loopy = records(text=lambda i: "<fim_middle>" * 20 if i % 2 else CODE[i % 5])
+    better = records(text=lambda i: "<fim_middle>" * 20 if i % 5 == 0 else CODE[i % 5])
+    assert loopy and gate(better, loopy).passed
+
+
+def test_too_few_records_fail() -> None:
+    result = gate(records(n=10))
+    assert not result.passed and "candidate eval has 10 records, the gate needs 60" in result.reasons[0]
+
+
+def test_repetition_score_normal_code_is_low() -> None:
+    assert repetition_score("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n") < 0.3
+    assert repetition_score("self.a = a\nself.b = b\nself.c = c\n") == 0.0
+    assert repetition_score("") == 0.0
+
+
+def test_gate_input_from_eval_records() -> None:
+    rows = [{"version": 2, "shown_text": "a", "accepted": True}, {"policy_version": 1, "completion": "b",
+            "accepted": False}, {"version": 7, "shown_text": "c", "accepted": True}]
+    inp = GateInput.from_records(2, 1, rows)
+    assert inp.candidate == (EvalRecord("a", True),) and inp.stable == (EvalRecord("b", False),)

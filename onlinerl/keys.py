@@ -75,6 +75,11 @@ class Keys:
         return f"{self.prefix}decisions"
 
     @property
+    def rollout(self) -> str:
+        """Hash ``version -> RolloutState JSON``: the rollout controller's verdict per version it judged."""
+        return f"{self.prefix}rollout"
+
+    @property
     def trainer_status(self) -> str:
         """Hash: the trainer's live status (step, version, samples trained, last checkpoint time)."""
         return f"{self.prefix}trainer"

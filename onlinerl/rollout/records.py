@@ -11,17 +11,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from onlinerl.keys import Keys
 from onlinerl.schemas import _Record
 
 DecisionKind = Literal["gate_pass", "gate_fail", "promote", "rollback", "hold", "pin", "unpin", "pause", "resume",
                        "supersede"]
 VersionVerdict = Literal["canary", "gate_failed", "promoted", "rolled_back", "superseded"]
-
-
-def rollout_state_key(keys: Keys) -> str:
-    """Hash ``version -> RolloutState JSON`` (same hash tag as the policy table, so one Lua script covers both)."""
-    return f"{keys.prefix}rollout"
 
 
 class RolloutState(_Record):

@@ -18,7 +18,7 @@ import redis
 
 from onlinerl.keys import Keys
 from onlinerl.rollout.decision import ArmStats
-from onlinerl.rollout.records import DecisionRecord, RolloutState, rollout_state_key
+from onlinerl.rollout.records import DecisionRecord, RolloutState
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 
 DECISIONS_MAXLEN = 10_000
@@ -77,11 +77,11 @@ class RolloutStore:
         return out
 
     def states(self) -> dict[int, RolloutState]:
-        raw_states = self.r.hgetall(rollout_state_key(self.keys))
+        raw_states = self.r.hgetall(self.keys.rollout)
         return {int(_s(f)): RolloutState.from_json(raw) for f, raw in raw_states.items()}
 
     def state(self, version: int) -> RolloutState | None:
-        raw = self.r.hget(rollout_state_key(self.keys), str(version))
+        raw = self.r.hget(self.keys.rollout, str(version))
         return RolloutState.from_json(raw) if raw else None
 
     def arm_stats(self, version: int, arm: str) -> ArmStats:
@@ -115,7 +115,7 @@ class RolloutStore:
         snap_field = str(states[0].version) if snapshot_stable is not None and states else ""
         snap_key = self.keys.stats(snapshot_stable, "stable") if snapshot_stable is not None else self.keys.policy
         result = self._apply(
-            keys=[self.keys.policy, rollout_state_key(self.keys), self.keys.decisions, snap_key],
+            keys=[self.keys.policy, self.keys.rollout, self.keys.decisions, snap_key],
             args=[str(expect_stable), "" if expect_candidate is None else str(expect_candidate),
                   orjson.dumps(updates), orjson.dumps(by_version), snap_field, decision.to_json(), DECISIONS_MAXLEN],
         )

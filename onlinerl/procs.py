@@ -60,8 +60,15 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen(list(self.argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                     start_new_session=True, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            list(self.argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.cwd,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
         log.close()
         return self
 

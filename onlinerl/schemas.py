@@ -50,7 +50,9 @@ class RolloutRecord(_Record):
     completion: str
     completion_token_ids: list[int]
     behaviour_logprobs: list[float]
-    token_offsets: list[int] = Field(default_factory=list, description="Char offset in `completion` where each token starts.")
+    token_offsets: list[int] = Field(
+        default_factory=list, description="Char offset in `completion` where each token starts."
+    )
     finish_reason: str | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     created_at: float = Field(default_factory=time.time)
@@ -151,7 +153,10 @@ class PolicyTable(BaseModel):
 
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> PolicyTable:
-        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        d = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
 
         def opt_int(key: str) -> int | None:
             return int(d[key]) if d.get(key) not in (None, "") else None

@@ -38,8 +38,13 @@ def _build(args: argparse.Namespace) -> int:
     from onlinerl.data.stats import format_stats, summarize
 
     require(0 < args.test_fraction < 1, "--test-fraction must be between 0 and 1")
-    opts = BuildOptions(corpus=args.corpus, seed=args.seed, test_fraction=args.test_fraction, per_file=args.per_file,
-                        max_files=args.max_files)
+    opts = BuildOptions(
+        corpus=args.corpus,
+        seed=args.seed,
+        test_fraction=args.test_fraction,
+        per_file=args.per_file,
+        max_files=args.max_files,
+    )
     train, test = build(opts, _progress)
     write_jsonl(train, args.out / "train.jsonl")
     write_jsonl(test, args.out / "test.jsonl")

@@ -16,7 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_client_args(p)
     p.add_argument("--versions", default="0,latest", help="comma list of versions; `latest` = newest loaded")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: <state>/eval)")
-    p.add_argument("--timeline", type=Path, default=None, help="simulate timeline to plot (default: <state>/timeline.jsonl)")
+    p.add_argument(
+        "--timeline", type=Path, default=None, help="simulate timeline to plot (default: <state>/timeline.jsonl)"
+    )
     p.add_argument("--judge-url", default=None, help="OpenAI-compatible base URL of an LLM judge (optional)")
     p.add_argument("--judge-model", default=None)
     p.add_argument("--judge-key", default="")
@@ -64,11 +66,15 @@ def _eval(args: argparse.Namespace) -> int:
             judged[f"v{v}"] = asyncio.run(_judge_all(args, samples, run.records))
     table = comparison_table(summaries)
     if judged:
-        table += "\n| judge score (0-10) | " + " | ".join(
-            f"{judged[k]:.3f}" if judged.get(k) is not None else "n/a" for k in summaries) + " |"
+        table += (
+            "\n| judge score (0-10) | "
+            + " | ".join(f"{judged[k]:.3f}" if judged.get(k) is not None else "n/a" for k in summaries)
+            + " |"
+        )
     (out / "comparison.md").write_text(table + "\n")
-    (out / "summary.json").write_text(json.dumps({k: s.as_dict() for k, s in summaries.items()} | {"judge": judged},
-                                                 indent=2))
+    (out / "summary.json").write_text(
+        json.dumps({k: s.as_dict() for k, s in summaries.items()} | {"judge": judged}, indent=2)
+    )
     print(table)
     timeline = args.timeline or args.state / "timeline.jsonl"
     if timeline.is_file():

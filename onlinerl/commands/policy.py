@@ -12,7 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job", default=None, help="default: job of the config")
     psub = p.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
     psub.add_parser("show", help="policy table, versions, verdicts and the latest decisions (JSON)").set_defaults(
-        func=_show)
+        func=_show
+    )
     pin = psub.add_parser("pin", help="serve every user version N (0 = base model)")
     pin.add_argument("version", type=int)
     pin.add_argument("--force", action="store_true", help="pin even if serving has not loaded N")
@@ -23,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     rb.add_argument("--force", action="store_true", help="roll back even if serving has not loaded N")
     rb.set_defaults(func=_rollback)
     psub.add_parser("pause", help="stop promotions and new candidates (rollbacks still happen)").set_defaults(
-        func=_pause)
+        func=_pause
+    )
     psub.add_parser("resume", help="allow promotions again").set_defaults(func=_resume)
 
 

@@ -18,8 +18,12 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--data", type=Path, default=None, help="JSONL split (default: <state>/data/train.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N samples of the split")
-    p.add_argument("--max-prefix-chars", type=int, default=1200,
-                   help="keep this many characters before the cursor (Continue's maxPromptTokens, in chars)")
+    p.add_argument(
+        "--max-prefix-chars",
+        type=int,
+        default=1200,
+        help="keep this many characters before the cursor (Continue's maxPromptTokens, in chars)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--project", default=None, help="X-Project-ID (default: the local demo project)")
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    p.add_argument("--reject-window", type=float, default=10.0, help="seconds before a reject is reported (Continue: 10)")
+    p.add_argument(
+        "--reject-window", type=float, default=10.0, help="seconds before a reject is reported (Continue: 10)"
+    )
     p.add_argument("--accept-delay", type=float, default=0.3)
     p.add_argument("--min-prefix-chars", type=int, default=4)
     p.add_argument("--min-similarity", type=float, default=0.8)
@@ -57,8 +63,16 @@ def make_client_factory(args: argparse.Namespace, split: str):
     samples = read_jsonl(data)[: args.limit] if args.limit else read_jsonl(data)
 
     def factory(uid: int) -> ContinueClient:
-        return ContinueClient(api_base, tracking, key, project, cfg.model.served_name, template,
-                              max_tokens=args.max_tokens, unique_id=f"sim-user-{uid:04d}")
+        return ContinueClient(
+            api_base,
+            tracking,
+            key,
+            project,
+            cfg.model.served_name,
+            template,
+            max_tokens=args.max_tokens,
+            unique_id=f"sim-user-{uid:04d}",
+        )
 
     return cfg, samples, factory
 
@@ -68,10 +82,16 @@ def _simulate(args: argparse.Namespace) -> int:
     from onlinerl.loop.user_model import AcceptRule
 
     _, samples, factory = make_client_factory(args, "train")
-    opts = SimulateOptions(requests=args.requests, concurrency=args.concurrency, accept_delay_s=args.accept_delay,
-                           reject_window_s=args.reject_window, seed=args.seed, duration_s=args.duration,
-                           max_prefix_chars=args.max_prefix_chars,
-                           rule=AcceptRule(args.min_prefix_chars, args.min_similarity))
+    opts = SimulateOptions(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        accept_delay_s=args.accept_delay,
+        reject_window_s=args.reject_window,
+        seed=args.seed,
+        duration_s=args.duration,
+        max_prefix_chars=args.max_prefix_chars,
+        rule=AcceptRule(args.min_prefix_chars, args.min_similarity),
+    )
     timeline = args.timeline or args.state / "timeline.jsonl"
     totals = asyncio.run(simulate(samples, factory, opts, timeline))
     print(totals.line())

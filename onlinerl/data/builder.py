@@ -100,8 +100,9 @@ def _candidates(tree: ast.AST, lines: list[str]) -> Iterator[tuple[str, int, int
                 yield "block", s.lineno, last.end_lineno or last.lineno
 
 
-def _cut(text: str, starts: list[int], lines: list[str], kind: str, a: int, b: int,
-         rng: random.Random) -> tuple[int, int] | None:
+def _cut(
+    text: str, starts: list[int], lines: list[str], kind: str, a: int, b: int, rng: random.Random
+) -> tuple[int, int] | None:
     """Character range ``[lo, hi)`` of the middle for a span, or None when the span does not fit."""
     line = lines[a - 1]
     indent = len(line) - len(line.lstrip())
@@ -142,8 +143,8 @@ def samples_from_file(path: Path, rel: str, opts: BuildOptions) -> list[FimSampl
         middle = text[lo:hi]
         if not (opts.min_middle_chars <= len(middle.strip()) and len(middle) <= opts.max_middle_chars):
             continue
-        prefix = text[max(0, lo - opts.max_prefix_chars):lo]
-        suffix = text[hi:hi + opts.max_suffix_chars]
+        prefix = text[max(0, lo - opts.max_prefix_chars) : lo]
+        suffix = text[hi : hi + opts.max_suffix_chars]
         sid = hashlib.sha256(f"{rel}:{lo}:{hi}:{kind}".encode()).hexdigest()[:16]
         out.append(FimSample(sid, kind, rel, a, b, prefix, middle, suffix))
         per_kind[kind] = per_kind.get(kind, 0) + 1

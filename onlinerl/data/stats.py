@@ -22,14 +22,20 @@ def summarize(samples: list[FimSample]) -> dict:
     by_len = Counter(bucket(len(s.middle)) for s in samples)
     files = {s.file for s in samples}
     mean = sum(len(s.middle) for s in samples) / len(samples) if samples else 0.0
-    return {"samples": len(samples), "files": len(files), "by_kind": dict(sorted(by_kind.items())),
-            "by_middle_chars": {b: by_len.get(b, 0) for b in (bucket(lo) for lo, _ in LENGTH_BUCKETS)},
-            "mean_middle_chars": round(mean, 1)}
+    return {
+        "samples": len(samples),
+        "files": len(files),
+        "by_kind": dict(sorted(by_kind.items())),
+        "by_middle_chars": {b: by_len.get(b, 0) for b in (bucket(lo) for lo, _ in LENGTH_BUCKETS)},
+        "mean_middle_chars": round(mean, 1),
+    }
 
 
 def format_stats(name: str, summary: dict) -> str:
-    lines = [f"{name}: {summary['samples']} samples from {summary['files']} files, "
-             f"mean middle {summary['mean_middle_chars']} chars"]
+    lines = [
+        f"{name}: {summary['samples']} samples from {summary['files']} files, "
+        f"mean middle {summary['mean_middle_chars']} chars"
+    ]
     lines.append("  by kind:         " + "  ".join(f"{k}={v}" for k, v in summary["by_kind"].items()))
     lines.append("  by middle chars: " + "  ".join(f"{k}={v}" for k, v in summary["by_middle_chars"].items()))
     return "\n".join(lines)

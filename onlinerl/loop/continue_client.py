@@ -53,8 +53,14 @@ class ContinueClient:
     unique_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def completion_body(self, prompt: str) -> dict:
-        return {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
-                "temperature": CONTINUE_TEMPERATURE, "stop": list(self.template.stop), "stream": True}
+        return {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": CONTINUE_TEMPERATURE,
+            "stop": list(self.template.stop),
+            "stream": True,
+        }
 
     def headers(self, pin_version: int | None = None) -> dict[str, str]:
         h = {"Authorization": f"Bearer {self.api_key}", "api-key": self.api_key, "Content-Type": "application/json"}
@@ -67,8 +73,12 @@ class ContinueClient:
         res = CompletionResult()
         t0 = time.perf_counter()
         try:
-            async with http.stream("POST", f"{self.api_base}/completions", headers=self.headers(pin_version),
-                                   content=orjson.dumps(self.completion_body(prompt))) as r:
+            async with http.stream(
+                "POST",
+                f"{self.api_base}/completions",
+                headers=self.headers(pin_version),
+                content=orjson.dumps(self.completion_body(prompt)),
+            ) as r:
                 res.status = r.status_code
                 if r.headers.get(POLICY_VERSION_HEADER):
                     res.version = int(r.headers[POLICY_VERSION_HEADER])
@@ -102,22 +112,38 @@ class ContinueClient:
             res.latency_ms = (time.perf_counter() - t0) * 1000
         return res
 
-    def outcome(self, *, prompt: str, prefix: str, suffix: str, filepath: str, shown: str, accepted: bool,
-                latency_ms: float) -> dict:
+    def outcome(
+        self, *, prompt: str, prefix: str, suffix: str, filepath: str, shown: str, accepted: bool, latency_ms: float
+    ) -> dict:
         """An AutocompleteOutcome body as the RLinf Continue fork uploads it (with a few extra options spread in)."""
         return {
-            "completionId": str(uuid.uuid4()), "filepath": filepath, "prefix": prefix, "suffix": suffix,
-            "prompt": prompt, "completion": shown, "modelProvider": "openai", "modelName": self.model,
-            "accepted": accepted, "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
-            "time": round(latency_ms), "uniqueId": self.unique_id, "numLines": shown.count("\n") + 1 if shown else 0,
-            "cacheHit": False, "completionOptions": {"maxTokens": self.max_tokens, "temperature": CONTINUE_TEMPERATURE},
-            "enabledStaticContextualization": False, "debounceDelay": 350, "multilineCompletions": "auto",
+            "completionId": str(uuid.uuid4()),
+            "filepath": filepath,
+            "prefix": prefix,
+            "suffix": suffix,
+            "prompt": prompt,
+            "completion": shown,
+            "modelProvider": "openai",
+            "modelName": self.model,
+            "accepted": accepted,
+            "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            "time": round(latency_ms),
+            "uniqueId": self.unique_id,
+            "numLines": shown.count("\n") + 1 if shown else 0,
+            "cacheHit": False,
+            "completionOptions": {"maxTokens": self.max_tokens, "temperature": CONTINUE_TEMPERATURE},
+            "enabledStaticContextualization": False,
+            "debounceDelay": 350,
+            "multilineCompletions": "auto",
         }
 
     async def post_outcome(self, http: httpx.AsyncClient, body: dict, retries: int = 5) -> tuple[int, dict]:
         """Upload with Continue's headers; retry 429/503 after Retry-After (backpressure is honoured, not dropped)."""
-        headers = {"Authorization": f"Bearer {self.api_key}", "X-Project-ID": self.project,
-                   "Content-Type": "application/json"}
+        headers = {
+            "Authorization": f"Bearer {self.api_key}",
+            "X-Project-ID": self.project,
+            "Content-Type": "application/json",
+        }
         import asyncio
 
         for attempt in range(retries + 1):

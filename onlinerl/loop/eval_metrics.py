@@ -58,10 +58,14 @@ def comparison_table(summaries: dict[str, EvalSummary]) -> str:
     """Markdown table, one column per version."""
     names = list(summaries)
     rows = [
-        ("requests", "requests", "{:d}"), ("failed requests", "failed", "{:d}"),
-        ("simulated accept rate", "accept_rate", "{:.3f}"), ("suggestion rate", "suggestion_rate", "{:.3f}"),
-        ("accepted / 100 requests", "accepted_per_100", "{:.1f}"), ("exact match", "exact_match", "{:.3f}"),
-        ("edit similarity", "edit_similarity", "{:.3f}"), ("mean length (chars)", "mean_length", "{:.1f}"),
+        ("requests", "requests", "{:d}"),
+        ("failed requests", "failed", "{:d}"),
+        ("simulated accept rate", "accept_rate", "{:.3f}"),
+        ("suggestion rate", "suggestion_rate", "{:.3f}"),
+        ("accepted / 100 requests", "accepted_per_100", "{:.1f}"),
+        ("exact match", "exact_match", "{:.3f}"),
+        ("edit similarity", "edit_similarity", "{:.3f}"),
+        ("mean length (chars)", "mean_length", "{:.1f}"),
     ]
     out = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label, attr, fmt in rows:

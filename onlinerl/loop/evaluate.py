@@ -25,9 +25,14 @@ class VersionRun:
     served_versions: set[int]
 
 
-async def run_version(samples: list[FimSample], client_factory: Callable[[int], ContinueClient], version: int,
-                      concurrency: int = 4, on_done: Callable[[], None] | None = None,
-                      max_prefix_chars: int = 1200) -> VersionRun:
+async def run_version(
+    samples: list[FimSample],
+    client_factory: Callable[[int], ContinueClient],
+    version: int,
+    concurrency: int = 4,
+    on_done: Callable[[], None] | None = None,
+    max_prefix_chars: int = 1200,
+) -> VersionRun:
     """Complete every sample with ``version`` pinned; a request served by another version counts as failed."""
     queue: asyncio.Queue[FimSample] = asyncio.Queue()
     for s in samples:
@@ -44,8 +49,15 @@ async def run_version(samples: list[FimSample], client_factory: Callable[[int], 
             if res.version is not None:
                 served.add(res.version)
             wrong = res.version is not None and res.version != version
-            records.append(EvalRecord(s.id, s.middle, continue_postprocess(res.text, prefix, s.suffix), failed=res.failed or wrong,
-                                      version=version))
+            records.append(
+                EvalRecord(
+                    s.id,
+                    s.middle,
+                    continue_postprocess(res.text, prefix, s.suffix),
+                    failed=res.failed or wrong,
+                    version=version,
+                )
+            )
             if on_done:
                 on_done()
 

@@ -42,12 +42,21 @@ def parse_score(text: str) -> int | None:
     return snap(value) if 0 <= value <= 10 else None
 
 
-async def judge(http: httpx.AsyncClient, base_url: str, model: str, api_key: str, prefix: str, suffix: str,
-                completion: str) -> int | None:
+async def judge(
+    http: httpx.AsyncClient, base_url: str, model: str, api_key: str, prefix: str, suffix: str, completion: str
+) -> int | None:
     """One judgement; None when the judge's answer holds no score (counted separately, never as 0)."""
-    body = {"model": model, "temperature": 0.0, "max_tokens": 16,
-            "messages": [{"role": "user", "content": JUDGE_PROMPT.format(prefix=prefix[-1500:], suffix=suffix[:500],
-                                                                         completion=completion)}]}
+    body = {
+        "model": model,
+        "temperature": 0.0,
+        "max_tokens": 16,
+        "messages": [
+            {
+                "role": "user",
+                "content": JUDGE_PROMPT.format(prefix=prefix[-1500:], suffix=suffix[:500], completion=completion),
+            }
+        ],
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = await http.post(f"{base_url.rstrip('/')}/chat/completions", json=body, headers=headers)
     r.raise_for_status()

@@ -17,8 +17,10 @@ def local_config(state: Path, config_path: str | None = None) -> OnlineRLConfig:
         return load_config(config_path)
     paths = StackPaths(state)
     if not paths.config.is_file():
-        raise CommandError(f"no running stack found ({paths.config} missing): start one with `make run` "
-                           "(or `onlinerl up`), or pass --config")
+        raise CommandError(
+            f"no running stack found ({paths.config} missing): start one with `make run` "
+            "(or `onlinerl up`), or pass --config"
+        )
     return load_config(paths.config)
 
 

@@ -51,8 +51,17 @@ def plot_accept_rate(timeline: Path, out_png: Path, window: int = 100, title: st
     ax.plot(xs, ys, color="#1f77b4", lw=1.6, label=f"accept rate (last {window} shown)")
     for x, v in version_changes(rows):
         ax.axvline(x, color="#d62728", alpha=0.35, lw=0.8)
-        ax.text(x, 1.01, f"v{v}", rotation=90, fontsize=7, color="#d62728", va="bottom", ha="center",
-                transform=ax.get_xaxis_transform())
+        ax.text(
+            x,
+            1.01,
+            f"v{v}",
+            rotation=90,
+            fontsize=7,
+            color="#d62728",
+            va="bottom",
+            ha="center",
+            transform=ax.get_xaxis_transform(),
+        )
     ax.set_xlabel("feedback events")
     ax.set_ylabel("simulated accept rate")
     ax.set_ylim(0, 1)

@@ -13,7 +13,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -33,7 +33,7 @@ class SimulateOptions:
     seed: int = 0
     duration_s: float | None = None
     max_prefix_chars: int = 1200
-    rule: AcceptRule = AcceptRule()
+    rule: AcceptRule = field(default_factory=AcceptRule)
 
 
 @dataclass
@@ -48,8 +48,10 @@ class SimulateTotals:
 
     def line(self) -> str:
         rate = self.accepted / self.shown if self.shown else 0.0
-        return (f"{self.requests} requests, {self.failed} failed, {self.shown} shown, {self.accepted} accepted "
-                f"(accept rate {rate:.3f}), versions seen {sorted(self.versions or [])}")
+        return (
+            f"{self.requests} requests, {self.failed} failed, {self.shown} shown, {self.accepted} accepted "
+            f"(accept rate {rate:.3f}), versions seen {sorted(self.versions or [])}"
+        )
 
 
 class Progress:
@@ -67,8 +69,10 @@ class Progress:
         done = min(totals.requests, self.total)
         bar = "#" * int(width * done / max(1, self.total))
         rate = totals.accepted / totals.shown if totals.shown else 0.0
-        sys.stderr.write(f"\r[{bar:<{width}}] {done}/{self.total} accept={rate:.2f} "
-                         f"v={max(totals.versions or {0})} failed={totals.failed}  ")
+        sys.stderr.write(
+            f"\r[{bar:<{width}}] {done}/{self.total} accept={rate:.2f} "
+            f"v={max(totals.versions or {0})} failed={totals.failed}  "
+        )
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -76,8 +80,13 @@ class Progress:
             sys.stderr.write("\n")
 
 
-async def simulate(samples: list[FimSample], client_factory: Callable[[int], ContinueClient], opts: SimulateOptions,
-                   timeline_path: Path | None = None, progress: bool = True) -> SimulateTotals:
+async def simulate(
+    samples: list[FimSample],
+    client_factory: Callable[[int], ContinueClient],
+    opts: SimulateOptions,
+    timeline_path: Path | None = None,
+    progress: bool = True,
+) -> SimulateTotals:
     """Run ``opts.requests`` requests (or until ``duration_s``) over ``opts.concurrency`` users."""
     rng = random.Random(opts.seed)
     order = list(range(len(samples)))
@@ -112,14 +121,22 @@ async def simulate(samples: list[FimSample], client_factory: Callable[[int], Con
                     return
                 sample = samples[order[next_index % len(order)]]
                 next_index += 1
-            prefix = sample.prefix[-opts.max_prefix_chars:]
+            prefix = sample.prefix[-opts.max_prefix_chars :]
             prompt = client.template.render(prefix, sample.suffix)
             res = await client.complete(http, prompt)
             totals.requests += 1
-            entry = {"t": round(time.time(), 3), "user": uid, "sample_id": sample.id, "kind": sample.kind,
-                     "version": res.version, "arm": res.arm, "status": res.status, "error": res.error or None,
-                     "latency_ms": round(res.latency_ms, 1),
-                     "ttft_ms": None if res.ttft_ms is None else round(res.ttft_ms, 1)}
+            entry = {
+                "t": round(time.time(), 3),
+                "user": uid,
+                "sample_id": sample.id,
+                "kind": sample.kind,
+                "version": res.version,
+                "arm": res.arm,
+                "status": res.status,
+                "error": res.error or None,
+                "latency_ms": round(res.latency_ms, 1),
+                "ttft_ms": None if res.ttft_ms is None else round(res.ttft_ms, 1),
+            }
             if res.failed:
                 totals.failed += 1
                 if timeline:
@@ -133,8 +150,15 @@ async def simulate(samples: list[FimSample], client_factory: Callable[[int], Con
             totals.shown += bool(shown)
             totals.accepted += accepted
             entry.update(shown=shown, accepted=accepted, middle_first_line=sample.middle.strip().split("\n")[0][:120])
-            body = client.outcome(prompt=prompt, prefix=prefix, suffix=sample.suffix, filepath=sample.file,
-                                  shown=shown, accepted=accepted, latency_ms=res.latency_ms)
+            body = client.outcome(
+                prompt=prompt,
+                prefix=prefix,
+                suffix=sample.suffix,
+                filepath=sample.file,
+                shown=shown,
+                accepted=accepted,
+                latency_ms=res.latency_ms,
+            )
             delay = opts.accept_delay_s if accepted else opts.reject_window_s
             task = asyncio.create_task(upload(client, http, body, delay, entry))
             uploads.add(task)

@@ -24,7 +24,15 @@ from onlinerl.procs import Child, StartupError, log_tail, python_module
 from onlinerl.valkey import EmbeddedValkey
 
 DEMO_TENANT = "demo"
-LOCAL_REDIS_PORT = 16379
+
+
+@dataclass(frozen=True)
+class LocalPorts:
+    """Ports of the processes whose port is not part of the job config (k8s gives each its own pod)."""
+
+    redis: int = 16379
+    reloader: int = 8004
+    rollout: int = 8005
 
 
 @dataclass
@@ -110,13 +118,19 @@ class Stack:
     api_key: str = ""
 
     def child_env(self) -> dict[str, str]:
-        return {"ONLINERL_CONFIG": str(self.paths.config.resolve()), "OMP_NUM_THREADS": "1",
-                "TOKENIZERS_PARALLELISM": "false"}
+        return {
+            "ONLINERL_CONFIG": str(self.paths.config.resolve()),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
 
-    def start_child(self, name: str, module: str, health_url: str, timeout: float, extra_env: dict | None = None) -> Child:
+    def start_child(
+        self, name: str, module: str, health_url: str, timeout: float, extra_env: dict | None = None
+    ) -> Child:
         say(f"starting {name} (log: {self.paths.logs / (name + '.log')})")
-        child = Child(name, python_module(module), self.paths.logs / f"{name}.log",
-                      env={**self.child_env(), **(extra_env or {})})
+        child = Child(
+            name, python_module(module), self.paths.logs / f"{name}.log", env={**self.child_env(), **(extra_env or {})}
+        )
         self.children.append(child.start())
         child.wait_healthy(health_url, timeout)
         say(f"{name} healthy")
@@ -137,8 +151,14 @@ class Stack:
         return next((c for c in self.children if not c.alive()), None)
 
 
-def start_stack(cfg: OnlineRLConfig, state: Path, *, build_data: bool = True,
-                on_step: Callable[[str], None] = say) -> Stack:
+def start_stack(
+    cfg: OnlineRLConfig,
+    state: Path,
+    *,
+    build_data: bool = True,
+    ports: LocalPorts = LocalPorts(),
+    on_step: Callable[[str], None] = say,
+) -> Stack:
     """Start every component and return the running :class:`Stack` (the caller stops it)."""
     from onlinerl_serving.engine import start_vllm
 
@@ -151,7 +171,7 @@ def start_stack(cfg: OnlineRLConfig, state: Path, *, build_data: bool = True,
         redis_url = cfg.redis.url
         if not redis_url:
             on_step(f"starting embedded valkey (data: {paths.valkey}, AOF fsync always)")
-            stack.valkey = EmbeddedValkey(paths.valkey, port=LOCAL_REDIS_PORT).start()
+            stack.valkey = EmbeddedValkey(paths.valkey, port=ports.redis).start()
             redis_url = stack.valkey.url
         on_step("model: bootstrapping / verifying")
         model_path = resolve_model_path(cfg.model.path, progress=lambda m: on_step(f"model: {m}"))
@@ -167,16 +187,33 @@ def start_stack(cfg: OnlineRLConfig, state: Path, *, build_data: bool = True,
         paths.config.write_text(yaml.safe_dump(stack.cfg.dump(), sort_keys=False))
         on_step("starting vLLM (about a minute on CPU)")
         engine_port = int(stack.cfg.serving.engine_url.rsplit(":", 1)[1].split("/")[0])
-        stack.children.append(start_vllm(stack.cfg, model_path, paths.logs / "vllm.log", port=engine_port,
-                                         wait_timeout=600))
+        stack.children.append(
+            start_vllm(stack.cfg, model_path, paths.logs / "vllm.log", port=engine_port, wait_timeout=600)
+        )
         on_step("vLLM healthy")
         c = stack.cfg
         stack.start_child("gateway", "onlinerl_serving.gateway", f"http://127.0.0.1:{c.serving.port}/healthz", 60)
-        stack.start_child("reloader", "onlinerl_serving.reloader", "http://127.0.0.1:8004/healthz", 60)
+        stack.start_child(
+            "reloader",
+            "onlinerl_serving.reloader",
+            f"http://127.0.0.1:{ports.reloader}/healthz",
+            60,
+            {"ONLINERL_RELOADER_PORT": str(ports.reloader)},
+        )
         stack.start_child("feedback", "onlinerl_feedback", f"http://127.0.0.1:{c.feedback.port}/healthz", 60)
         stack.start_child("trainer", "onlinerl_trainer", f"http://127.0.0.1:{c.trainer.metrics_port}/healthz", 180)
         if c.rollout.strategy == "canary":
-            stack.start_child("rollout", "onlinerl.rollout", "http://127.0.0.1:8005/healthz", 60)
+            stack.start_child(
+                "rollout",
+                "onlinerl.rollout",
+                f"http://127.0.0.1:{ports.rollout}/healthz",
+                60,
+                {
+                    "ONLINERL_ROLLOUT_PORT": str(ports.rollout),
+                    "ONLINERL_ROLLOUT_EVALUATOR": "onlinerl.loop.gate_eval:evaluate",
+                    "ONLINERL_EVAL_DATA": str((paths.data / "test.jsonl").resolve()),
+                },
+            )
     except BaseException:
         stack.stop()
         raise
@@ -189,7 +226,8 @@ def banner(stack: Stack) -> str:
 onlinerl is up.
   completions   http://127.0.0.1:{c.serving.port}/v1/completions
   feedback      http://127.0.0.1:{c.feedback.port}/api/training/submit
-  metrics       gateway :{c.serving.port}/metrics  feedback :{c.feedback.port}/metrics  trainer :{c.trainer.metrics_port}/metrics
+  metrics       gateway :{c.serving.port}/metrics  feedback :{c.feedback.port}/metrics
+                trainer :{c.trainer.metrics_port}/metrics
   redis         {c.redis.url}
   logs          {stack.paths.logs}
   demo API key  {stack.api_key}   (project: {DEMO_TENANT})

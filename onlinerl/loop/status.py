@@ -11,7 +11,9 @@ from onlinerl.schemas import PolicyTable, PolicyVersionState
 
 
 def _decode(d: dict) -> dict[str, str]:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in d.items()}
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in d.items()
+    }
 
 
 def collect(r: redis.Redis, job: str) -> dict:
@@ -23,9 +25,15 @@ def collect(r: redis.Redis, job: str) -> dict:
         k = key.decode()
         version, arm = k.rsplit(":", 2)[-2:]
         stats[(int(version[1:]), arm)] = {f: int(float(x)) for f, x in _decode(r.hgetall(key)).items()}
-    return {"policy": policy, "versions": versions, "stats": stats, "backlog": r.xlen(keys.samples),
-            "trainer": _decode(r.hgetall(keys.trainer_status)), "reloader": _decode(r.hgetall(keys.reloader_status)),
-            "decisions": [(i.decode(), _decode(f)) for i, f in r.xrevrange(keys.decisions, count=5)]}
+    return {
+        "policy": policy,
+        "versions": versions,
+        "stats": stats,
+        "backlog": r.xlen(keys.samples),
+        "trainer": _decode(r.hgetall(keys.trainer_status)),
+        "reloader": _decode(r.hgetall(keys.reloader_status)),
+        "decisions": [(i.decode(), _decode(f)) for i, f in r.xrevrange(keys.decisions, count=5)],
+    }
 
 
 def _ago(ts: str | None) -> str:
@@ -37,9 +45,11 @@ def _ago(ts: str | None) -> str:
 
 def render(s: dict) -> str:
     p: PolicyTable = s["policy"]
-    lines = [f"policy: stable v{p.stable}  candidate {('v' + str(p.candidate)) if p.candidate is not None else '-'}"
-             f"  canary share {p.canary_share:.2f}  pinned {p.pinned if p.pinned is not None else '-'}"
-             f"  paused {'yes' if p.paused else 'no'}"]
+    lines = [
+        f"policy: stable v{p.stable}  candidate {('v' + str(p.candidate)) if p.candidate is not None else '-'}"
+        f"  canary share {p.canary_share:.2f}  pinned {p.pinned if p.pinned is not None else '-'}"
+        f"  paused {'yes' if p.paused else 'no'}"
+    ]
     lines.append("versions: " + ("  ".join(f"v{v.version}:{v.state}" for v in s["versions"]) or "none yet"))
     lines.append("accept rate per version/arm (accepted / shown, served):")
     for (version, arm), c in sorted(s["stats"].items()):
@@ -48,11 +58,15 @@ def render(s: dict) -> str:
         lines.append(f"  v{version:<4} {arm:<9} {rate}  ({acc}/{shown}, served {c.get('served', 0)})")
     t = s["trainer"]
     lines.append(f"backlog: {s['backlog']} unconsumed samples")
-    lines.append(f"trainer: state {t.get('state', '?')}  step {t.get('step', '-')}  version v{t.get('version', '-')}"
-                 f"  samples trained {t.get('samples_trained', '-')}  last checkpoint {_ago(t.get('last_checkpoint_at'))}")
+    lines.append(
+        f"trainer: state {t.get('state', '?')}  step {t.get('step', '-')}  version v{t.get('version', '-')}"
+        f"  samples trained {t.get('samples_trained', '-')}  last checkpoint {_ago(t.get('last_checkpoint_at'))}"
+    )
     rl = s["reloader"]
-    lines.append(f"last reload: v{rl.get('last_version', '-')} {_ago(rl.get('last_reload_at'))}"
-                 + (f"  error: {rl['last_error']}" if rl.get("last_error") else ""))
+    lines.append(
+        f"last reload: v{rl.get('last_version', '-')} {_ago(rl.get('last_reload_at'))}"
+        + (f"  error: {rl['last_error']}" if rl.get("last_error") else "")
+    )
     if s["decisions"]:
         lines.append("recent rollout decisions:")
         lines += [f"  {i}  {f.get('decision', '')} {f.get('data', '')[:140]}" for i, f in s["decisions"]]

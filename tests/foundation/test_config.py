@@ -16,7 +16,9 @@ def test_defaults_are_valid_and_camelcase_roundtrip():
 def test_yaml_then_env_precedence(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("job: demo\nserving:\n  port: 9100\n  maxTokensCap: 256\ntrainer:\n  algorithm:\n    clipEps: 0.1\n")
-    cfg = load_config(f, environ={"ONLINERL__SERVING__PORT": "9200", "ONLINERL__TRAINER__LORA__TARGET_MODULES": "[q_proj]"})
+    cfg = load_config(
+        f, environ={"ONLINERL__SERVING__PORT": "9200", "ONLINERL__TRAINER__LORA__TARGET_MODULES": "[q_proj]"}
+    )
     assert cfg.job == "demo"
     assert cfg.serving.port == 9200  # env wins over the file
     assert cfg.serving.max_tokens_cap == 256
@@ -26,7 +28,9 @@ def test_yaml_then_env_precedence(tmp_path):
 
 def test_onlinerljob_manifest_is_accepted_as_config(tmp_path):
     f = tmp_path / "job.yaml"
-    f.write_text("apiVersion: onlinerl.dev/v1alpha1\nkind: OnlineRLJob\nmetadata: {name: x}\nspec:\n  serving: {replicas: 2}\n")
+    f.write_text(
+        "apiVersion: onlinerl.dev/v1alpha1\nkind: OnlineRLJob\nmetadata: {name: x}\nspec:\n  serving: {replicas: 2}\n"
+    )
     assert load_config(f, environ={}).serving.replicas == 2
 
 
@@ -57,7 +61,7 @@ def test_invalid_values_fail_with_field_path_and_reason(tmp_path, data, path, re
 
 
 def test_bad_env_value_names_the_variable():
-    with pytest.raises(ConfigError, match="serving.port"):
+    with pytest.raises(ConfigError, match=r"serving\.port"):
         load_config(environ={"ONLINERL__SERVING__PORT": "not-a-port"})
 
 

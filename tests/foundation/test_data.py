@@ -13,8 +13,12 @@ from onlinerl.data.stats import stats_for_dir
 @pytest.fixture(scope="module")
 def stdlib_dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
-    proc = subprocess.run([sys.executable, "-m", "onlinerl.cli", "data", "build", "--out", str(out)],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "onlinerl.cli", "data", "build", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out, proc
 
 

@@ -26,16 +26,28 @@ def test_qwen_renders_exactly_what_continue_sends():
     prompt = get_template("qwen").render("def f():\n    return ", "\n")
     assert prompt == "<|fim_prefix|>def f():\n    return <|fim_suffix|>\n<|fim_middle|>"
     assert get_template("qwen").stop == (
-        "<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
-        "<|file_sep|>", "<|im_start|>", "<|im_end|>", "/src/", "#- coding: utf-8", "```",
+        "<|endoftext|>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "/src/",
+        "#- coding: utf-8",
+        "```",
     )
 
 
 def test_qwen_repo_level_prompt_parses_to_current_file():
     t = get_template("qwen")
     prompt = t.render("x = ", "\n", repo_name="acme", filepath="a/b.py", snippets=[Snippet("a/c.py", "y = 2")])
-    assert prompt == ("<|repo_name|>acme\n<|file_sep|>a/c.py\ny = 2\n<|file_sep|>a/b.py\n"
-                      "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>")
+    assert prompt == (
+        "<|repo_name|>acme\n<|file_sep|>a/c.py\ny = 2\n<|file_sep|>a/b.py\n"
+        "<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>"
+    )
     assert split_prompt(prompt) == ("qwen", "x = ", "\n")
 
 

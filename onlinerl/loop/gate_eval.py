@@ -1,0 +1,55 @@
+"""The eval gate's evaluator: ``onlinerl eval``'s path (gateway, pinned version, Continue's request) as a callable.
+
+Plugged into the rollout controller with ``--evaluator onlinerl.loop.gate_eval:evaluate``. It reads the job config
+(``$ONLINERL_CONFIG``), the held-out split (``$ONLINERL_EVAL_DATA``) and uses the first key of the keys file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import yaml
+
+from onlinerl.config import load_config
+from onlinerl.data.builder import read_jsonl
+from onlinerl.loop.continue_client import ContinueClient
+from onlinerl.loop.evaluate import run_version
+from onlinerl.loop.local import template_for
+from onlinerl.loop.user_model import decide
+from onlinerl.rollout.controller import EvalRequest
+from onlinerl.rollout.gate import GateInput
+
+DEFAULT_EVAL_DATA = ".onlinerl/data/test.jsonl"
+
+
+def _first_key(keys_file: str) -> tuple[str, str]:
+    tenants = (yaml.safe_load(Path(keys_file).read_text()) or {}).get("tenants") or {}
+    for tenant, spec in tenants.items():
+        return spec["keys"][0], tenant
+    raise ValueError(f"no keys in {keys_file}")
+
+
+def evaluate(req: EvalRequest) -> GateInput:
+    cfg = load_config()
+    samples = read_jsonl(Path(os.environ.get("ONLINERL_EVAL_DATA", DEFAULT_EVAL_DATA)))[: req.samples]
+    key, tenant = _first_key(cfg.auth.api_keys_file)
+    template = template_for(cfg, None)
+    api_base = f"http://127.0.0.1:{cfg.serving.port}/v1"
+
+    def factory(uid: int) -> ContinueClient:
+        return ContinueClient(
+            api_base, "", key, tenant, cfg.model.served_name, template, max_tokens=48, unique_id=f"gate-{uid}"
+        )
+
+    records = []
+    for version in (req.candidate, req.stable):
+        run = asyncio.run(run_version(samples, factory, version, concurrency=2))
+        by_id = {s.id: s for s in samples}
+        records += [
+            {"version": version, "shown_text": r.shown, "accepted": decide(r.shown, by_id[r.sample_id].middle)}
+            for r in run.records
+            if not r.failed
+        ]
+    return GateInput.from_records(req.candidate, req.stable, records)

@@ -1,0 +1,104 @@
+"""Rollout capture: accumulate what vLLM generated, strip what the client did not ask for, store the record.
+
+The record must reach Redis before the client sees the end of the response (``data: [DONE]`` or the JSON body), so
+a feedback upload, which can only follow that, always finds it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from onlinerl.keys import Keys
+from onlinerl.schemas import RolloutRecord, SamplingParams
+
+# Fields an OpenAI client expects; vLLM's extras (token_ids, stop_reason, kv_transfer_params...) never leave the pod.
+_TOP_FIELDS = ("id", "object", "created", "model", "choices", "system_fingerprint", "usage")
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+@dataclass
+class RolloutAccumulator:
+    """Collects one choice's text, token ids, behaviour log-probs and offsets across stream chunks (or one body)."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add_choice(self, choice: dict[str, Any]) -> None:
+        """Fold in one choice (a stream delta or the whole non-stream choice)."""
+        if choice.get("prompt_token_ids"):
+            self.prompt_token_ids = list(choice["prompt_token_ids"])
+        self.text.append(choice.get("text") or "")
+        self.token_ids.extend(choice.get("token_ids") or ())
+        lp = choice.get("logprobs")
+        if lp:
+            self.logprobs.extend(x if x is not None else 0.0 for x in lp.get("token_logprobs") or ())
+            self.offsets.extend(lp.get("text_offset") or ())
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+
+    @property
+    def completion(self) -> str:
+        return "".join(self.text)
+
+    def consistent(self) -> bool:
+        """One log-prob and one offset per generated token (vLLM's contract; checked, not assumed)."""
+        return len(self.token_ids) == len(self.logprobs) == len(self.offsets)
+
+    def to_record(self, *, tenant: str, arm: str, version: int, served_model: str, user_hash: str, prompt: str,
+                  sampling: dict[str, Any], created_at: float, rollout_id: str | None = None) -> RolloutRecord:
+        return RolloutRecord(
+            rollout_id=rollout_id or uuid.uuid4().hex, tenant=tenant, arm=arm, policy_version=version,
+            served_model=served_model, user_hash=user_hash, prompt=prompt, prompt_token_ids=self.prompt_token_ids,
+            completion=self.completion, completion_token_ids=self.token_ids, behaviour_logprobs=self.logprobs,
+            token_offsets=self.offsets, finish_reason=self.finish_reason, sampling=SamplingParams(**sampling),
+            created_at=created_at, finished_at=time.time(),
+        )
+
+
+def client_view(payload: dict[str, Any], *, logprobs: int | None, token_ids: bool) -> dict[str, Any]:
+    """The response (or stream chunk) as the client asked for it: OpenAI fields only, log-probs only if requested."""
+    out = {k: payload[k] for k in _TOP_FIELDS if k in payload and payload[k] is not None}
+    choices = []
+    for ch in payload.get("choices") or ():
+        c: dict[str, Any] = {"index": ch.get("index", 0), "text": ch.get("text", "")}
+        if logprobs is not None:
+            c["logprobs"] = ch.get("logprobs")
+        if token_ids:
+            if ch.get("prompt_token_ids") is not None:
+                c["prompt_token_ids"] = ch["prompt_token_ids"]
+            c["token_ids"] = ch.get("token_ids")
+        c["finish_reason"] = ch.get("finish_reason")
+        choices.append(c)
+    out["choices"] = choices
+    if isinstance(out.get("usage"), dict):
+        out["usage"] = {k: out["usage"][k] for k in _USAGE_FIELDS if k in out["usage"]}
+    return out
+
+
+# HSET the record, refresh the hash's TTL, count it as served: one atomic command, one round trip. Both keys carry
+# the job's hash tag, so this also runs on Redis Cluster.
+_STORE_ROLLOUT = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return redis.call('HINCRBY', KEYS[2], 'served', 1)
+"""
+
+
+class RolloutStore:
+    """Writes rollout records (a registered Lua script: EVALSHA, falling back to EVAL after a Redis restart)."""
+
+    def __init__(self, redis: Any, keys: Keys, ttl_seconds: int) -> None:
+        self.keys = keys
+        self.ttl = str(ttl_seconds)
+        self._script = redis.register_script(_STORE_ROLLOUT)
+
+    async def store(self, record: RolloutRecord) -> None:
+        keys = [self.keys.rollouts(record.tenant, record.prompt), self.keys.stats(record.policy_version, record.arm)]
+        await self._script(keys=keys, args=[record.rollout_id, record.to_json(), self.ttl])

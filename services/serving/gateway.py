@@ -1,0 +1,392 @@
+"""The gateway: OpenAI ``/v1/completions`` in front of vLLM, with auth, limits, policy routing and rollout capture.
+
+``python -m onlinerl_serving.gateway`` (config from :func:`onlinerl.config.load_config`). The completions route is a
+raw ASGI app: it decides the status only after vLLM answered, relays the SSE stream chunk by chunk (stripping what the
+client did not ask for while keeping token ids and log-probs for the record), stores the rollout record before the
+client's ``data: [DONE]``, and aborts the upstream request as soon as the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter as Tally
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from onlinerl_serving.capture import RolloutAccumulator, RolloutStore, client_view
+from onlinerl_serving.errors import ApiError, unauthorized, unavailable
+from onlinerl_serving.metrics import GatewayMetrics
+from onlinerl_serving.requests import (
+    CompletionRequest,
+    Limits,
+    parse_completion_request,
+    sampling_record,
+    upstream_body,
+)
+from onlinerl_serving.routing import Route as PolicyRoute
+from onlinerl_serving.routing import choose, route, served_model_name, user_hash
+from onlinerl_serving.state import ServingState
+from onlinerl_serving.upstream import EnginePool, EngineUnavailable, UpstreamResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from onlinerl.auth import KeyRing, bearer_token
+from onlinerl.config import OnlineRLConfig, load_config
+from onlinerl.keys import Keys
+
+log = logging.getLogger("onlinerl.gateway")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+UNIQUE_ID_HEADER = b"x-continue-unique-id"
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+def api_key_of(scope: Scope) -> str | None:
+    """Continue sends the key twice (``Authorization: Bearer`` and ``api-key``); either one is enough."""
+    return bearer_token(_header(scope, b"authorization")) or (_header(scope, b"api-key") or "").strip() or None
+
+
+class Gateway:
+    """Everything one gateway process holds: config, key ring, clients, cached state, metrics, in-flight counts."""
+
+    def __init__(self, cfg: OnlineRLConfig, keyring: KeyRing, redis: Any, pool: EnginePool,
+                 metrics: GatewayMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.keyring = keyring
+        self.redis = redis
+        self.pool = pool  # keep-alive connections to this pod's vLLM
+        self.keys = Keys(cfg.job)
+        self.metrics = metrics or GatewayMetrics()
+        self.limits = Limits(cfg.serving.max_prompt_chars, cfg.serving.max_tokens_cap, cfg.model.max_model_len)
+        self.max_body = cfg.serving.max_prompt_chars * 4 + 64 * 1024  # UTF-8 worst case plus the other fields
+        self.state = ServingState(redis=redis, keys=self.keys, engine=pool, job=cfg.job,
+                                  base_name=cfg.model.served_name, weights_mode=cfg.serving.weights_mode)
+        self.inflight: Tally[str] = Tally()
+        self.rollouts = RolloutStore(redis, self.keys, cfg.redis.rollout_ttl_seconds)
+
+    # --- routing ------------------------------------------------------------------------------------------------
+    def pick(self, uhash: str) -> tuple[PolicyRoute, str]:
+        table = self.state.policy
+        if self.cfg.serving.weights_mode == "full":  # one model in vLLM; its version is what the reloader loaded
+            arm, wanted = choose(table, uhash)
+            v = self.state.weights_version
+            r = PolicyRoute("base" if v == 0 and arm == "stable" else arm, v, wanted)
+        else:
+            r = route(table, uhash, self.state.loaded_versions())
+        return r, served_model_name(self.cfg.job, self.cfg.model.served_name, r.version, self.cfg.serving.weights_mode)
+
+    # --- ASGI entry for POST /v1/completions --------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        tenant, arm, version, code = "-", "-", "-", 500
+        self.metrics.inflight.inc()
+        try:
+            token = api_key_of(scope)
+            tenant = self.keyring.tenant_for(token)
+            if tenant is None:
+                tenant, code = "-", 401
+                raise unauthorized()
+            req = parse_completion_request(await self._read_body(scope, receive), self.limits)
+            if not self.state.redis_up:
+                raise unavailable("the rollout store (Redis) is unavailable; retry shortly",
+                                  self.cfg.serving.retry_after_seconds)
+            uhash = user_hash(token or "", _header(scope, UNIQUE_ID_HEADER) or req.user)
+            code, arm, version = await self._complete(scope, receive, send, req, tenant, uhash, t0)
+        except ApiError as err:
+            code = err.status
+            await _send_response(send, err.status, err.body(), _retry_headers(err))
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(tenant, arm, str(version), str(code)).inc()
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise ApiError(400, "client disconnected while sending the body")
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise ApiError(413, f"request body over {self.max_body} bytes (serving.maxPromptChars="
+                               f"{self.cfg.serving.max_prompt_chars})", code="body_too_large")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    async def _open_upstream(self, body: bytes) -> UpstreamResponse:
+        try:
+            return await self.pool.post("/v1/completions", body)
+        except EngineUnavailable as exc:
+            self.state.engine_up = False
+            raise unavailable(f"the inference engine is unavailable ({exc}); retry shortly",
+                              self.cfg.serving.retry_after_seconds) from None
+
+    async def _complete(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest, tenant: str,
+                        uhash: str, t0: float) -> tuple[int, str, int]:
+        created_at = time.time()
+        rollout_id = uuid.uuid4().hex  # ours, known before the first byte: it goes in a response header
+        for attempt in (0, 1):
+            r, model = self.pick(uhash)
+            self.inflight[model] += 1
+            try:
+                overhead = time.perf_counter() - t0
+                resp = await self._open_upstream(upstream_body(req, model))
+                if resp.status_code == 404 and attempt == 0 and r.version != 0:
+                    # The adapter went away between our model-list refresh and now (unloaded, vLLM restarted).
+                    await resp.aclose()
+                    await self.state.refresh_models()
+                    continue
+                if resp.status_code != 200:
+                    try:
+                        body = await resp.read()
+                    except EngineUnavailable:
+                        body = b""
+                    await resp.aclose()
+                    if resp.status_code >= 500:  # engine failing (e.g. EngineDeadError): the client should retry
+                        detail = body[:300].decode(errors="replace")
+                        raise unavailable(f"the inference engine failed (HTTP {resp.status_code}): {detail}",
+                                          self.cfg.serving.retry_after_seconds)
+                    await _send_response(send, resp.status_code, body, {})  # vLLM's own 4xx: already OpenAI-shaped
+                    return resp.status_code, r.arm, r.version
+                headers = {"x-onlinerl-policy-version": str(r.version), "x-onlinerl-arm": r.arm}
+                headers["x-onlinerl-rollout-id"] = rollout_id
+                ctx = _Ctx(req, tenant, uhash, r, model, rollout_id, created_at, t0, overhead)
+                if req.stream:
+                    return await self._relay_stream(resp, ctx, receive, send, headers), r.arm, r.version
+                return await self._relay_body(resp, ctx, send, headers), r.arm, r.version
+            finally:
+                self.inflight[model] -= 1
+                if self.inflight[model] <= 0:
+                    del self.inflight[model]
+        raise AssertionError("unreachable")
+
+    async def _record(self, ctx: _Ctx, acc: RolloutAccumulator) -> None:
+        """Store the rollout record; a Redis failure costs the record (counted, logged), never the completion."""
+        if not acc.consistent():
+            log.error("vLLM returned %d tokens, %d logprobs, %d offsets: record not stored", len(acc.token_ids),
+                      len(acc.logprobs), len(acc.offsets))
+            self.metrics.record_errors.inc()
+            return
+        record = acc.to_record(tenant=ctx.tenant, arm=ctx.route.arm, version=ctx.route.version, served_model=ctx.model,
+                               user_hash=ctx.uhash, prompt=ctx.req.prompt, sampling=sampling_record(ctx.req),
+                               created_at=ctx.created_at, rollout_id=ctx.rollout_id)
+        try:
+            await self.rollouts.store(record)
+            self.metrics.recorded.labels(str(ctx.route.version), ctx.route.arm).inc()
+        except Exception as exc:
+            log.error("rollout record %s not stored: %s", ctx.rollout_id, exc)
+            self.metrics.record_errors.inc()
+
+    async def _relay_body(self, resp: UpstreamResponse, ctx: _Ctx, send: Send, headers: dict[str, str]) -> int:
+        try:
+            raw = await resp.read()
+        except EngineUnavailable as exc:
+            raise unavailable(f"the inference engine failed mid-request ({exc})",
+                              self.cfg.serving.retry_after_seconds) from None
+        finally:
+            await resp.aclose()
+        t = time.perf_counter()
+        payload = orjson.loads(raw)
+        acc = RolloutAccumulator()
+        for choice in payload.get("choices", ())[:1]:
+            acc.add_choice(choice)
+        await self._record(ctx, acc)
+        body = orjson.dumps(client_view(payload, logprobs=ctx.req.client_logprobs, token_ids=ctx.req.client_token_ids))
+        self.metrics.overhead.observe(ctx.overhead + time.perf_counter() - t)
+        await _send_response(send, 200, body, headers)
+        self.metrics.duration.labels("false").observe(time.perf_counter() - ctx.t0)
+        return 200
+
+    async def _relay_stream(self, resp: UpstreamResponse, ctx: _Ctx, receive: Receive, send: Send,
+                            headers: dict[str, str]) -> int:
+        disconnected = asyncio.Event()
+
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+
+        watcher = asyncio.create_task(watch_disconnect())
+        acc = RolloutAccumulator()
+        overhead, first, done, errored = ctx.overhead, True, False, False
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _raw_headers(
+                {**headers, "content-type": "text/event-stream", "cache-control": "no-cache"})})
+            buf = b""
+            async for data in resp.chunks():
+                if disconnected.is_set():
+                    return 499
+                t = time.perf_counter()
+                buf += data
+                out = []
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if not event.startswith(b"data: "):
+                        continue
+                    payload = event[6:]
+                    if payload == b"[DONE]":
+                        if out:  # the client gets all its text now; only [DONE] waits for the record write
+                            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                            out = []
+                        if not errored:  # vLLM reported an error mid-stream: the text is not a rollout
+                            await self._record(ctx, acc)
+                        out.append(b"data: [DONE]\n\n")
+                        done = True
+                        continue
+                    chunk = orjson.loads(payload)
+                    if "error" in chunk:
+                        errored = True
+                        out.append(event + b"\n\n")
+                        continue
+                    for choice in chunk.get("choices", ())[:1]:
+                        acc.add_choice(choice)
+                    view = client_view(chunk, logprobs=ctx.req.client_logprobs, token_ids=ctx.req.client_token_ids)
+                    out.append(b"data: " + orjson.dumps(view) + b"\n\n")
+                if out:
+                    overhead += time.perf_counter() - t
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - ctx.t0)
+                        first = False
+            if not done:  # the engine closed the stream early (crash, restart): tell the client, record nothing
+                err = {"error": {"message": "the inference engine ended the stream early; retry",
+                                 "type": "server_error", "param": None, "code": "engine_stream_interrupted"}}
+                await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n",
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.metrics.overhead.observe(overhead)
+            self.metrics.duration.labels("true").observe(time.perf_counter() - ctx.t0)
+            return 200 if done and not errored else 502
+        except EngineUnavailable as exc:
+            log.warning("upstream stream failed: %s", exc)
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return 502
+        finally:
+            watcher.cancel()
+            await resp.aclose()
+
+
+class _Ctx:
+    """One request's routing facts, carried from routing to recording."""
+
+    __slots__ = ("created_at", "model", "overhead", "req", "rollout_id", "route", "t0", "tenant", "uhash")
+
+    def __init__(self, req: CompletionRequest, tenant: str, uhash: str, route: PolicyRoute, model: str,
+                 rollout_id: str, created_at: float, t0: float, overhead: float) -> None:
+        self.req, self.tenant, self.uhash, self.route, self.model = req, tenant, uhash, route, model
+        self.rollout_id, self.created_at, self.t0, self.overhead = rollout_id, created_at, t0, overhead
+
+
+def _raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+def _retry_headers(err: ApiError) -> dict[str, str]:
+    return {"retry-after": str(err.retry_after)} if err.retry_after is not None else {}
+
+
+async def _send_response(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
+    hdrs = {**headers, "content-type": "application/json", "content-length": str(len(body))}
+    await send({"type": "http.response.start", "status": status, "headers": _raw_headers(hdrs)})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# --- the app ----------------------------------------------------------------------------------------------------
+def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette:
+    """The gateway ASGI app; Redis and the engine client are opened in the lifespan."""
+    import redis.asyncio as aioredis
+
+    if not cfg.redis.url:
+        raise ValueError("redis.url is required for the gateway (e.g. redis://127.0.0.1:6379/0)")
+    if keyring is None:
+        if cfg.auth.api_keys_file:
+            keyring = KeyRing.from_file(cfg.auth.api_keys_file, cfg.auth.allow_anonymous)
+        elif cfg.auth.allow_anonymous:
+            keyring = KeyRing([], allow_anonymous=True)
+        else:
+            raise ValueError("auth.apiKeysFile is required (or set auth.allowAnonymous: true for a local demo)")
+    redis = aioredis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds,
+                              socket_timeout=max(2.0, cfg.redis.connect_timeout_seconds), health_check_interval=10)
+    pool = EnginePool.from_url(cfg.serving.engine_url, connect_timeout=cfg.serving.engine_connect_timeout_seconds,
+                               read_timeout=cfg.serving.request_timeout_seconds)
+    gw = Gateway(cfg, keyring, redis, pool)
+
+    async def models(request: Request) -> Response:
+        if gw.keyring.tenant_for(api_key_of(request.scope)) is None:
+            return unauthorized().response()
+        data = [{"id": cfg.model.served_name, "object": "model", "owned_by": "onlinerl"}]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        ok = gw.state.engine_up and gw.state.redis_up
+        body = {"ready": ok, "engine": gw.state.engine_up, "redis": gw.state.redis_up,
+                "loaded_versions": sorted(gw.state.loaded_versions())}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        m, p = gw.metrics, gw.state.policy
+        m.engine_up.set(1 if gw.state.engine_up else 0)
+        m.policy_version.labels("stable").set(p.stable)
+        m.policy_version.labels("candidate").set(-1 if p.candidate is None else p.candidate)
+        m.policy_version.labels("pinned").set(-1 if p.pinned is None else p.pinned)
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def inflight(request: Request) -> Response:
+        """Per-model in-flight counts for the reloader in the same pod (loopback only: not a public route)."""
+        if (request.client.host if request.client else "") not in LOOPBACK:
+            return Response(status_code=404)
+        return JSONResponse({"models": dict(gw.inflight)})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await gw.state.start()
+        try:
+            yield
+        finally:
+            await gw.state.stop()
+            pool.close()
+            await redis.aclose()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", gw, methods=["POST"]),
+        Route("/v1/models", models), Route("/healthz", healthz), Route("/readyz", readyz),
+        Route("/metrics", metrics), Route("/internal/inflight", inflight),
+    ], lifespan=lifespan)
+    app.state.gateway = gw
+    return app
+
+
+def main() -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    cfg = load_config()
+    uvicorn.run(create_app(cfg), host=cfg.serving.host, port=cfg.serving.port, log_level="warning",
+                access_log=False, lifespan="on", loop="uvloop", http="httptools")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Validate a client's ``POST /v1/completions`` body and build the body sent to vLLM.
+
+Pure functions. The gateway accepts the OpenAI completions shape that Continue sends (a raw FIM prompt string, a
+stop list, ``max_tokens``, ``stream``) and refuses, with a 400 that names the field, what it cannot record faithfully
+(``n > 1``, ``best_of``, ``echo``, ``suffix``, a list of prompts). Fields the gateway does not know are ignored.
+Upstream it always asks for sampled-token log-probs and token ids: the rollout record needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from onlinerl_serving.errors import ApiError, bad_request
+
+# Sampling fields forwarded to vLLM as given (after type checks).
+_FLOAT_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")
+_INT_FIELDS = ("seed", "top_k")
+MAX_LOGPROBS = 5
+MAX_STOP_SEQUENCES = 32
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps from ``serving.*`` config."""
+
+    max_prompt_chars: int
+    max_tokens_cap: int
+    max_model_len: int = 1 << 30  # vLLM refuses max_tokens above its context; Continue asks 4096 by default
+
+
+@dataclass
+class CompletionRequest:
+    """A validated client request: what to generate and what the client wants to see back."""
+
+    prompt: str
+    max_tokens: int
+    stream: bool
+    stop: list[str]
+    sampling: dict[str, Any]
+    client_logprobs: int | None = None
+    include_usage: bool = False
+    client_token_ids: bool = False
+    user: str = ""
+    requested_model: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
+    """Parse and validate; raise :class:`ApiError` (400) naming the offending field and the fix."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad_request("`prompt` is required and must be a string (one prompt per request)", param="prompt",
+                          code="missing_required_parameter" if prompt is None else "invalid_type")
+    if len(prompt) > limits.max_prompt_chars:
+        raise bad_request(f"prompt is {len(prompt)} characters, over the cap serving.maxPromptChars="
+                          f"{limits.max_prompt_chars}: send a shorter prompt (e.g. lower Continue's maxPromptTokens)",
+                          param="prompt", code="prompt_too_long")
+
+    max_tokens = body.get("max_tokens", limits.max_tokens_cap)
+    if max_tokens is None:
+        max_tokens = limits.max_tokens_cap
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise bad_request("`max_tokens` must be a positive integer", param="max_tokens", code="invalid_type")
+    if max_tokens > limits.max_tokens_cap:
+        raise bad_request(f"max_tokens={max_tokens} is over the cap serving.maxTokensCap={limits.max_tokens_cap}",
+                          param="max_tokens", code="max_tokens_too_large")
+
+    # A request for more than the context can hold is clamped, not refused: generation ends at the context anyway.
+    max_tokens = min(max_tokens, limits.max_model_len)
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("`stream` must be true or false", param="stream", code="invalid_type")
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request("`stop` must be a string or a list of non-empty strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"`stop` has {len(stop)} entries; at most {MAX_STOP_SEQUENCES}", param="stop")
+
+    sampling: dict[str, Any] = {}
+    for name in _FLOAT_FIELDS:
+        if body.get(name) is not None:
+            if not _is_number(body[name]):
+                raise bad_request(f"`{name}` must be a number", param=name, code="invalid_type")
+            sampling[name] = body[name]
+    for name in _INT_FIELDS:
+        if body.get(name) is not None:
+            if not isinstance(body[name], int) or isinstance(body[name], bool):
+                raise bad_request(f"`{name}` must be an integer", param=name, code="invalid_type")
+            sampling[name] = body[name]
+
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise bad_request("only `n: 1` is supported (each completion is recorded as one rollout)", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise bad_request("`best_of` is not supported", param="best_of")
+    if body.get("echo"):
+        raise bad_request("`echo: true` is not supported", param="echo")
+    if body.get("suffix"):
+        raise bad_request("`suffix` is not supported: render the FIM prompt into `prompt` (as Continue does)",
+                          param="suffix")
+
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise bad_request(f"`logprobs` must be an integer from 0 to {MAX_LOGPROBS}", param="logprobs")
+
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise bad_request("`stream_options` must be an object", param="stream_options", code="invalid_type")
+    user = body.get("user") or ""
+    if not isinstance(user, str):
+        raise bad_request("`user` must be a string", param="user", code="invalid_type")
+    model = body.get("model") or ""
+
+    return CompletionRequest(
+        prompt=prompt, max_tokens=max_tokens, stream=stream, stop=stop, sampling=sampling,
+        client_logprobs=logprobs, include_usage=bool(stream and stream_options.get("include_usage")),
+        client_token_ids=body.get("return_token_ids") is True, user=user,
+        requested_model=model if isinstance(model, str) else "",
+    )
+
+
+def upstream_body(req: CompletionRequest, served_model: str) -> bytes:
+    """The JSON body for vLLM: the client's request, routed to ``served_model``, asking for ids and log-probs."""
+    body: dict[str, Any] = {
+        "model": served_model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "stream": req.stream,
+        "stop": req.stop,
+        "logprobs": req.client_logprobs or 0,  # 0 = the sampled token's log-prob only: the behaviour policy
+        "return_token_ids": True,
+        **req.sampling,
+    }
+    if req.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
+def sampling_record(req: CompletionRequest) -> dict[str, Any]:
+    """The ``sampling`` part of the rollout record."""
+    return {"temperature": req.sampling.get("temperature"), "top_p": req.sampling.get("top_p"),
+            "max_tokens": req.max_tokens, "stop": list(req.stop)}
+
+
+__all__ = ["ApiError", "CompletionRequest", "Limits", "parse_completion_request", "sampling_record", "upstream_body"]

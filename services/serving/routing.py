@@ -1,0 +1,75 @@
+"""Policy routing: which version serves a user. Pure functions over the policy table and the loaded versions.
+
+Each user gets a deterministic point in [0, 1) from sha256(API key + Continue ``uniqueId``), so a user keeps the
+same arm while the canary share stays the same, and raising the share only moves users from stable to candidate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from onlinerl.schemas import PolicyTable, adapter_name
+
+
+def user_hash(api_key: str, unique_id: str = "") -> str:
+    """Stable, non-reversible user id (the key itself never leaves the gateway)."""
+    return hashlib.sha256(f"{api_key}\0{unique_id}".encode()).hexdigest()[:32]
+
+
+def user_point(uhash: str) -> float:
+    """The user's deterministic position in [0, 1)."""
+    return int(uhash[:13], 16) / float(16**13)
+
+
+@dataclass(frozen=True)
+class Route:
+    arm: str  # stable | candidate | pinned | base
+    version: int  # the version actually served
+    routed_version: int  # what the table asked for (differs when it is not loaded here)
+
+
+def choose(table: PolicyTable, uhash: str) -> tuple[str, int]:
+    """``(arm, version)`` the policy table assigns to this user."""
+    if table.pinned is not None:
+        return "pinned", table.pinned
+    if table.candidate is not None and table.canary_share > 0 and user_point(uhash) < table.canary_share:
+        return "candidate", table.candidate
+    return ("stable", table.stable) if table.stable > 0 else ("base", 0)
+
+
+def newest_loaded_at_most(version: int, loaded: Iterable[int]) -> int:
+    """``version`` if loaded, else the newest loaded version below it, else 0 (the base model is always there)."""
+    best = 0
+    for v in loaded:
+        if v == version:
+            return v
+        if best < v < version:
+            best = v
+    return best
+
+
+def route(table: PolicyTable, uhash: str, loaded: Iterable[int]) -> Route:
+    arm, wanted = choose(table, uhash)
+    served = newest_loaded_at_most(wanted, loaded)
+    if served == 0 and arm == "stable":
+        arm = "base"
+    return Route(arm, served, wanted)
+
+
+def served_model_name(job: str, base_name: str, version: int, weights_mode: str = "lora") -> str:
+    """vLLM model name for a version: the base name for version 0 (and for every version in full-weight mode)."""
+    if version == 0 or weights_mode == "full":
+        return base_name
+    return adapter_name(job, version)
+
+
+def version_of_model(job: str, base_name: str, model: str) -> int | None:
+    """Inverse of :func:`served_model_name` for LoRA names; None for names that are not ours."""
+    if model == base_name:
+        return 0
+    prefix = f"{job}-v"
+    if model.startswith(prefix) and model[len(prefix):].isdigit():
+        return int(model[len(prefix):])
+    return None

@@ -1,0 +1,130 @@
+"""The whole loop on real processes, tiny settings: every hop, end to end.
+
+completion -> rollout record -> feedback -> sample -> PPO step -> checkpoint -> reload -> the next completion is
+served by the new version. Real valkey, real vLLM on CPU (tiny random model), real gateway, reloader, feedback and
+trainer processes started by the same code as `onlinerl up`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import redis
+
+from onlinerl.config import OnlineRLConfig
+from onlinerl.fim import get_template
+from onlinerl.keys import Keys
+from onlinerl.loop.continue_client import ContinueClient
+from onlinerl.loop.stack import DEMO_TENANT, LocalPorts, start_stack
+from onlinerl.procs import wait_for
+from onlinerl.schemas import PolicyTable
+from onlinerl.valkey import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = [
+    ("def add(a, b):\n    return ", "\n"),
+    ("import os\nx = os.path.", "\n"),
+    ("for i in range(", "):\n    pass\n"),
+    ("class A:\n    def __init__(self):\n        self.", "\n"),
+    ("y = [1, 2, 3]\nz = len(", ")\n"),
+    ("print(", ")\n"),
+    ("value = dict(", ")\n"),
+    ("if x is None:\n    x = ", "\n"),
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_path, tmp_path_factory):
+    state = tmp_path_factory.mktemp("stack")
+    cfg = OnlineRLConfig.model_validate(
+        {
+            "job": "e2e",
+            "model": {"path": str(tiny_model_path), "fimTemplate": "plain", "maxModelLen": 1024},
+            "serving": {"port": free_port(), "engineUrl": f"http://127.0.0.1:{free_port()}"},
+            "feedback": {"port": free_port()},
+            "trainer": {
+                "metricsPort": free_port(),
+                "batchSize": 2,
+                "microBatchSize": 2,
+                "batchTimeoutSeconds": 2,
+                "engine": "torch",
+                "torchThreads": 1,
+                "checkpoint": {"everySteps": 1},
+            },
+        }
+    )
+    running = start_stack(
+        cfg, state, build_data=False, ports=LocalPorts(redis=free_port(), reloader=free_port(), rollout=free_port())
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_every_hop_end_to_end(stack):
+    cfg = stack.cfg
+    r = redis.Redis.from_url(cfg.redis.url)
+    keys = Keys(cfg.job)
+    client = ContinueClient(
+        f"http://127.0.0.1:{cfg.serving.port}/v1",
+        f"http://127.0.0.1:{cfg.feedback.port}/api/training/submit",
+        stack.api_key,
+        DEMO_TENANT,
+        cfg.model.served_name,
+        get_template("plain"),
+        max_tokens=8,
+    )
+
+    async def serve_and_rate(n_needed: int) -> list[dict]:
+        replies = []
+        async with httpx.AsyncClient(timeout=120) as http:
+            for prefix, suffix in PROMPTS * 3:
+                prompt = client.template.render(prefix, suffix)
+                res = await client.complete(http, prompt)
+                assert res.status == 200 and not res.error, res.error
+                assert res.version == 0
+                shown = res.text.rstrip()
+                if not shown.strip():
+                    continue
+                assert r.hlen(keys.rollouts(DEMO_TENANT, prompt)) >= 1  # the rollout was recorded before [DONE]
+                body = client.outcome(
+                    prompt=prompt,
+                    prefix=prefix,
+                    suffix=suffix,
+                    filepath="a.py",
+                    shown=shown,
+                    accepted=len(replies) % 2 == 0,
+                    latency_ms=res.latency_ms,
+                )
+                status, reply = await client.post_outcome(http, body)
+                assert status == 200, reply
+                replies.append(reply)
+                if sum(x.get("status") == "accepted_for_training" for x in replies) >= n_needed:
+                    break
+        return replies
+
+    replies = asyncio.run(serve_and_rate(2))
+    assert sum(x["status"] == "accepted_for_training" for x in replies) >= 2
+
+    # The trainer consumes the samples, steps, checkpoints v1; the reloader loads it and switches routing.
+    wait_for(
+        lambda: PolicyTable.from_redis(r.hgetall(keys.policy)).stable >= 1,
+        timeout=240,
+        what="policy v1 to become stable",
+    )
+    assert (stack.paths.state / "checkpoints" / cfg.job / "v1" / "manifest.json").is_file()
+    assert r.xlen(keys.samples) == 0  # acknowledged and deleted only after the checkpoint
+
+    async def next_completion():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await client.complete(http, client.template.render(*PROMPTS[0]))
+
+    res = asyncio.run(next_completion())
+    assert res.status == 200 and res.version >= 1
+    records = [v for v in r.hvals(keys.rollouts(DEMO_TENANT, client.template.render(*PROMPTS[0])))]
+    assert any(b'"policy_version":1' in v or b'"policy_version": 1' in v for v in records)
+    r.close()

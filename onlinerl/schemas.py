@@ -41,7 +41,7 @@ class RolloutRecord(_Record):
     schema_version: int = SCHEMA_VERSION
     rollout_id: str
     tenant: str
-    arm: Literal["stable", "candidate", "pinned", "base"] = "stable"
+    arm: Literal["stable", "candidate", "pinned", "base", "eval"] = "stable"
     policy_version: int
     served_model: str
     user_hash: str = ""

@@ -50,6 +50,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 UNIQUE_ID_HEADER = b"x-continue-unique-id"
+# Evaluation asks for one version explicitly (`onlinerl eval`, the rollout gate); recorded under arm "eval".
+VERSION_HEADER = b"x-onlinerl-version"
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -57,6 +59,16 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if k == name:
             return v.decode("latin-1")
     return None
+
+
+def _forced_version(scope: Scope) -> int | None:
+    raw = _header(scope, VERSION_HEADER)
+    if raw is None:
+        return None
+    if not raw.strip().isdigit():
+        raise ApiError(400, f"X-OnlineRL-Version must be a non-negative integer, got {raw!r}",
+                       param="X-OnlineRL-Version")
+    return int(raw)
 
 
 def api_key_of(scope: Scope) -> str | None:
@@ -83,15 +95,30 @@ class Gateway:
         self.rollouts = RolloutStore(redis, self.keys, cfg.redis.rollout_ttl_seconds)
 
     # --- routing ------------------------------------------------------------------------------------------------
-    def pick(self, uhash: str) -> tuple[PolicyRoute, str]:
+    def pick(self, uhash: str, forced: int | None = None) -> tuple[PolicyRoute, str]:
         table = self.state.policy
-        if self.cfg.serving.weights_mode == "full":  # one model in vLLM; its version is what the reloader loaded
+        if forced is not None:
+            r = self._forced_route(forced)
+        elif self.cfg.serving.weights_mode == "full":  # one model in vLLM; its version is what the reloader loaded
             arm, wanted = choose(table, uhash)
             v = self.state.weights_version
             r = PolicyRoute("base" if v == 0 and arm == "stable" else arm, v, wanted)
         else:
             r = route(table, uhash, self.state.loaded_versions())
         return r, served_model_name(self.cfg.job, self.cfg.model.served_name, r.version, self.cfg.serving.weights_mode)
+
+    def _forced_route(self, version: int) -> PolicyRoute:
+        """The version an evaluation asked for, if this replica serves it (else 409: nothing is substituted)."""
+        available = (
+            {self.state.weights_version}
+            if self.cfg.serving.weights_mode == "full"
+            else {0, *self.state.loaded_versions()}
+        )
+        if version not in available:
+            raise ApiError(409, f"policy version {version} is not loaded in this replica (loaded: "
+                           f"{sorted(available)}); drop the X-OnlineRL-Version header to be routed",
+                           code="version_not_loaded", param="X-OnlineRL-Version")
+        return PolicyRoute("eval", version, version)
 
     # --- ASGI entry for POST /v1/completions --------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -109,7 +136,8 @@ class Gateway:
                 raise unavailable("the rollout store (Redis) is unavailable; retry shortly",
                                   self.cfg.serving.retry_after_seconds)
             uhash = user_hash(token or "", _header(scope, UNIQUE_ID_HEADER) or req.user)
-            code, arm, version = await self._complete(scope, receive, send, req, tenant, uhash, t0)
+            forced = _forced_version(scope)
+            code, arm, version = await self._complete(scope, receive, send, req, tenant, uhash, t0, forced)
         except ApiError as err:
             code = err.status
             await _send_response(send, err.status, err.body(), _retry_headers(err))
@@ -141,11 +169,11 @@ class Gateway:
                               self.cfg.serving.retry_after_seconds) from None
 
     async def _complete(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest, tenant: str,
-                        uhash: str, t0: float) -> tuple[int, str, int]:
+                        uhash: str, t0: float, forced: int | None = None) -> tuple[int, str, int]:
         created_at = time.time()
         rollout_id = uuid.uuid4().hex  # ours, known before the first byte: it goes in a response header
         for attempt in (0, 1):
-            r, model = self.pick(uhash)
+            r, model = self.pick(uhash, forced)
             self.inflight[model] += 1
             try:
                 overhead = time.perf_counter() - t0

@@ -125,6 +125,15 @@ def test_every_hop_end_to_end(stack):
 
     res = asyncio.run(next_completion())
     assert res.status == 200 and res.version >= 1
+
+    async def pinned(version: int):
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await client.complete(http, client.template.render(*PROMPTS[1]), pin_version=version)
+
+    base = asyncio.run(pinned(0))  # evaluation can still ask for the base model explicitly
+    assert (base.status, base.version, base.arm) == (200, 0, "eval")
+    missing = asyncio.run(pinned(99))
+    assert missing.status == 409 and "not loaded" in missing.error
     records = [v for v in r.hvals(keys.rollouts(DEMO_TENANT, client.template.render(*PROMPTS[0])))]
     assert any(b'"policy_version":1' in v or b'"policy_version": 1' in v for v in records)
     r.close()

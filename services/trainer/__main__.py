@@ -1,0 +1,66 @@
+"""``python -m onlinerl_trainer``: the trainer process (config from onlinerl.config.load_config).
+
+Environment extras (not part of the job spec, since they identify the process rather than configure the job):
+``ONLINERL_TRAINER_CONSUMER`` (stream consumer name, default ``trainer-0``: stable, so a restart finds its own
+pending samples) and ``ONLINERL_TRAINER_CLAIM_IDLE_SECONDS`` (take over another consumer's samples after this idle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+import redis
+import torch
+from onlinerl_trainer.metrics import MetricsServer, TrainerMetrics
+from onlinerl_trainer.stream import DEFAULT_CONSUMER
+from onlinerl_trainer.trainer import NonFiniteWeightsError, Trainer
+
+from onlinerl.config import ConfigError, load_config
+from onlinerl.model import ModelError, resolve_model_path
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("onlinerl.trainer")
+    try:
+        cfg = load_config()
+        if not cfg.redis.url:
+            raise ConfigError("redis.url is empty: the trainer needs the Redis that holds the samples stream "
+                              "(set ONLINERL__REDIS__URL or redis.url)")
+        model_path = resolve_model_path(cfg.model.path)
+    except (ConfigError, ModelError) as exc:
+        print(f"onlinerl-trainer: error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.trainer.torch_threads:
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = TrainerMetrics()
+    server = MetricsServer(metrics, "0.0.0.0", cfg.trainer.metrics_port).start()
+    client = redis.Redis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds,
+                                  health_check_interval=30)
+    try:
+        trainer = Trainer(cfg, client, model_path, metrics=metrics,
+                          consumer=os.environ.get("ONLINERL_TRAINER_CONSUMER", DEFAULT_CONSUMER),
+                          claim_idle_ms=int(float(os.environ.get("ONLINERL_TRAINER_CLAIM_IDLE_SECONDS", "60")) * 1000))
+        log.info("trainer for job %s: engine %s, %s weights, starting at v%d",
+                 cfg.job, trainer.engine.name, cfg.trainer.weights, trainer.version)
+        trainer.start()
+        trainer.run(stop)
+        trainer.close()
+    except NonFiniteWeightsError as exc:
+        log.error("%s", exc)
+        return 3
+    finally:
+        server.stop()
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

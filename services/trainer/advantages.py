@@ -1,0 +1,85 @@
+"""Advantages without a critic: the Monte-Carlo return of a one-step episode (its reward) minus a baseline.
+
+A completion is one action sequence rewarded once, so the return is the reward itself. A baseline only reduces
+variance; it must not depend on the sample's own action, which is why the running baseline used for a batch is the
+value *before* that batch is folded in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Baseline = Literal["running", "batch", "none"]
+
+
+@dataclass
+class RunningBaseline:
+    """Exponential moving average of the reward per tenant (tenants differ in how often they accept)."""
+
+    momentum: float = 0.9
+    means: dict[str, float] = field(default_factory=dict)
+
+    def values(self, tenants: Sequence[str], rewards: Sequence[float]) -> list[float]:
+        """Baseline per sample; a tenant seen for the first time starts at its mean reward in this batch."""
+        first_seen = _group_means(tenants, rewards)
+        return [self.means.get(t, first_seen[t]) for t in tenants]
+
+    def update(self, tenants: Sequence[str], rewards: Sequence[float]) -> None:
+        for tenant, mean in _group_means(tenants, rewards).items():
+            old = self.means.get(tenant, mean)
+            self.means[tenant] = self.momentum * old + (1.0 - self.momentum) * mean
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self.means)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.means = {str(k): float(v) for k, v in state.items()}
+
+
+def _group_means(keys: Sequence[str], values: Sequence[float]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for k, v in zip(keys, values, strict=True):
+        sums[k] = sums.get(k, 0.0) + v
+        counts[k] = counts.get(k, 0) + 1
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+def compute_advantages(
+    rewards: Sequence[float],
+    tenants: Sequence[str],
+    *,
+    baseline: Baseline,
+    running: RunningBaseline | None = None,
+    normalize: bool = False,
+    eps: float = 1e-6,
+) -> list[float]:
+    """A_i = R_i - b_i, optionally divided by the batch std of A (the baseline already centres it).
+
+    ``running`` is updated with this batch after its baseline values are taken.
+    """
+    if len(rewards) != len(tenants):
+        raise ValueError("rewards and tenants must have the same length")
+    if not rewards:
+        return []
+    if baseline == "running":
+        if running is None:
+            raise ValueError("baseline 'running' needs a RunningBaseline")
+        base = running.values(tenants, rewards)
+        running.update(tenants, rewards)
+    elif baseline == "batch":
+        mean = sum(rewards) / len(rewards)
+        base = [mean] * len(rewards)
+    elif baseline == "none":
+        base = [0.0] * len(rewards)
+    else:
+        raise ValueError(f"baseline must be running, batch or none, got {baseline!r}")
+    adv = [r - b for r, b in zip(rewards, base, strict=True)]
+    if normalize and len(adv) > 1:
+        mean = sum(adv) / len(adv)
+        std = math.sqrt(sum((a - mean) ** 2 for a in adv) / len(adv))
+        adv = [a / (std + eps) for a in adv]
+    return adv

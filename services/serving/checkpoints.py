@@ -6,11 +6,11 @@ the listed sha256: a half-copied or tampered directory is refused, never served.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onlinerl.checksums import file_problems, sha256_file
 from onlinerl.schemas import CheckpointManifest
 
 
@@ -41,14 +41,6 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_checkpoint(ann: Announcement, job: str) -> CheckpointManifest:
     """Check the directory against its manifest (blocking file I/O: run it in a thread)."""
     root = Path(ann.path)
@@ -68,12 +60,7 @@ def verify_checkpoint(ann: Announcement, job: str) -> CheckpointManifest:
                               f"announced job={job} v{ann.version} {ann.kind}")
     if not manifest.files:
         raise CheckpointError(f"{manifest_path} lists no files")
-    for rel, digest in manifest.files.items():
-        p = (root / rel).resolve()
-        if root.resolve() not in p.parents:
-            raise CheckpointError(f"manifest file {rel!r} points outside {root}")
-        if not p.is_file():
-            raise CheckpointError(f"{p} listed in the manifest is missing")
-        if sha256_file(p) != digest:
-            raise CheckpointError(f"{p} sha256 differs from the manifest (corrupt or still being written)")
+    problems = file_problems(root, manifest.files)
+    if problems:
+        raise CheckpointError(problems[0])
     return manifest

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from onlinerl.model import sha256_file
+from onlinerl.checksums import file_problems, sha256_file
 from onlinerl.schemas import CheckpointManifest
 
 MANIFEST = "manifest.json"
@@ -97,9 +97,7 @@ class CheckpointStore:
 
     def verify(self, version: int) -> bool:
         """True when every file has the sha256 the manifest records."""
-        m = self.manifest(version)
-        base = self.path(version)
-        return all((base / rel).is_file() and sha256_file(base / rel) == digest for rel, digest in m.files.items())
+        return not file_problems(self.path(version), self.manifest(version).files)
 
     # --- writing ------------------------------------------------------------------------------------------------
     def publish(self, version: int, write_files: Callable[[Path], None],

@@ -5,10 +5,9 @@ A private registry, so several trainers in one test process do not collide.
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from onlinerl.httpserve import MetricsHTTPServer
 
 # gauge name suffix -> key in the update statistics
 STAT_GAUGES = {
@@ -57,40 +56,8 @@ class TrainerMetrics:
         return generate_latest(self.registry)
 
 
-class MetricsServer:
-    """``/metrics`` and ``/healthz`` on a background thread (stdlib HTTP: the trainer has no web framework)."""
+class MetricsServer(MetricsHTTPServer):
+    """``/metrics`` and ``/healthz`` of the trainer (the shared stdlib server: the trainer has no web framework)."""
 
     def __init__(self, metrics: TrainerMetrics, host: str, port: int) -> None:
-        outer = metrics
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] == "/metrics":
-                    body, ctype, code = outer.render(), CONTENT_TYPE_LATEST, 200
-                elif self.path == "/healthz":
-                    body, ctype, code = b'{"status":"ok"}', "application/json", 200
-                else:
-                    body, ctype, code = b'{"error":"not found: use /metrics or /healthz"}', "application/json", 404
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, name="metrics", daemon=True)
-
-    @property
-    def port(self) -> int:
-        return self.server.server_address[1]
-
-    def start(self) -> MetricsServer:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(metrics.render, host, port, name="trainer-metrics")

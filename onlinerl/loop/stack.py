@@ -9,6 +9,7 @@ unconsumed samples.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -88,8 +89,25 @@ def effective_config(cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, mod
     return OnlineRLConfig.model_validate(data)
 
 
+def continue_template_lines(template) -> str:
+    """Continue picks its FIM template by model name; for a model it cannot recognise, say the template and stops."""
+    if template.name == "qwen":
+        return ""  # Continue recognises Qwen-coder names and renders exactly this template itself
+    if template.prefix_only:
+        tpl = "{{{prefix}}}"
+    elif template.suffix_first:
+        tpl = f"{template.begin}{{{{{{suffix}}}}}}{template.hole}{{{{{{prefix}}}}}}"
+    else:
+        tpl = f"{template.begin}{{{{{{prefix}}}}}}{template.hole}{{{{{{suffix}}}}}}{template.end}"
+    stops = ", ".join(json.dumps(s) for s in template.stop)
+    return (f"    promptTemplates:\n      autocomplete: {json.dumps(tpl)}\n"
+            f"    defaultCompletionOptions:\n      maxTokens: 64\n      stop: [{stops}]\n")
+
+
 def continue_snippet(cfg: OnlineRLConfig, api_key: str, host: str = "127.0.0.1") -> str:
     """Ready-to-paste ~/.continue/config.yaml: the autocomplete model plus completion tracking."""
+    from onlinerl.loop.local import template_for
+
     return f"""models:
   - name: onlinerl-autocomplete
     provider: openai
@@ -98,7 +116,7 @@ def continue_snippet(cfg: OnlineRLConfig, api_key: str, host: str = "127.0.0.1")
     apiKey: {api_key}
     roles:
       - autocomplete
-tabAutocompleteOptions:
+{continue_template_lines(template_for(cfg, None))}tabAutocompleteOptions:
   enableCompletionTracking: true
   completionTrackingUrl: http://{host}:{cfg.feedback.port}/api/training/submit
   completionTrackingHeaders:

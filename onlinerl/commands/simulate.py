@@ -17,7 +17,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--data", type=Path, default=None, help="JSONL split (default: <state>/data/train.jsonl)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N samples of the split")
+    p.add_argument("--limit", type=int, default=None, help="use N samples of the split (a fixed random subset)")
     p.add_argument(
         "--max-prefix-chars",
         type=int,
@@ -60,7 +60,12 @@ def make_client_factory(args: argparse.Namespace, split: str):
         from onlinerl.errors import CommandError
 
         raise CommandError(f"{data} not found: run `onlinerl data build --out {data.parent}`")
-    samples = read_jsonl(data)[: args.limit] if args.limit else read_jsonl(data)
+    samples = read_jsonl(data)
+    if args.limit:  # a seeded random subset: the splits are ordered by file
+        import random
+
+        random.Random(0).shuffle(samples)
+        samples = samples[: args.limit]
 
     def factory(uid: int) -> ContinueClient:
         return ContinueClient(

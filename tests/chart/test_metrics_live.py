@@ -4,7 +4,6 @@ and label names. (vLLM's names are checked against the installed vLLM's source i
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import uuid
 from collections.abc import Iterator
@@ -68,7 +67,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> 
     tmp = tmp_path_factory.mktemp("live")
     valkey = EmbeddedValkey(tmp / "valkey").start()
     keys_file = write_keys_file(tmp / "keys.yaml", {TENANT: [KEY]})
-    ports = {name: free_port() for name in ("feedback", "gateway", "reloader", "trainer", "dead_engine")}
+    ports = {name: free_port() for name in ("feedback", "gateway", "reloader", "trainer", "rollout", "dead_engine")}
     config = {
         "job": JOB,
         "redis": {"url": valkey.url},
@@ -100,6 +99,12 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> 
             env={**env, "ONLINERL_RELOADER_PORT": str(ports["reloader"])},
         ),
         "trainer": Child("trainer", python_module("onlinerl_trainer"), tmp / "trainer.log", env=env),
+        "rollout": Child(
+            "rollout",
+            python_module("onlinerl.rollout", "--interval", "0.5"),
+            tmp / "rollout.log",
+            env={**env, "ONLINERL_ROLLOUT_PORT": str(ports["rollout"])},
+        ),
     }
     urls = {name: f"http://127.0.0.1:{ports[name]}" for name in children}
     try:
@@ -151,7 +156,13 @@ def drive_traffic(http: httpx.Client, urls: dict[str, str]) -> None:
     wait_for(lambda: 'code="503"' in http.get(f"{urls['gateway']}/metrics").text, 10, what="gateway 503 counted")
 
 
-COMPONENT_OF = {"feedback": "feedback", "gateway": "gateway", "reloader": "reloader", "trainer": "trainer"}
+COMPONENT_OF = {
+    "feedback": "feedback",
+    "gateway": "gateway",
+    "reloader": "reloader",
+    "trainer": "trainer",
+    "rollout": "rollout controller",
+}
 
 
 @pytest.mark.slow
@@ -174,19 +185,3 @@ def test_traffic_shows_up_with_contract_labels(scraped: dict[str, Exposition]) -
     assert value("feedback", "onlinerl_feedback_responses_total", code="200") == 1
     assert value("feedback", "onlinerl_feedback_responses_total", code="422") == 1
     assert value("feedback", "onlinerl_feedback_request_duration_seconds_count") >= 1
-
-
-@pytest.mark.xfail(
-    importlib.util.find_spec("onlinerl.rollout.controller") is None,
-    strict=False,
-    reason="rollout controller (issue 9) has no runnable process with /metrics yet: "
-    "onlinerl_rollout_* names are checked against the contract only",
-)
-def test_rollout_controller_metrics_are_exported() -> None:
-    names = used_by("rollout controller")
-    assert names
-    spec = importlib.util.find_spec("onlinerl.rollout.controller")
-    assert spec is not None and spec.origin
-    source = Path(spec.origin).read_text()
-    for metric in names:
-        assert metric.removesuffix("_total") in source, f"{metric} not declared by the rollout controller"

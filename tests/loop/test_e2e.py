@@ -123,8 +123,13 @@ def test_every_hop_end_to_end(stack):
         async with httpx.AsyncClient(timeout=120) as http:
             return await client.complete(http, client.template.render(*PROMPTS[0]))
 
-    res = asyncio.run(next_completion())
+    # The gateway refreshes its cached policy table and model list in the background (~0.5 s): wait for it.
+    served: list = []
+    wait_for(lambda: served.append(asyncio.run(next_completion())) or (served[-1].version or 0) >= 1, timeout=30,
+             interval=0.2, what="the gateway to serve v1")
+    res = served[-1]
     assert res.status == 200 and res.version >= 1
+    assert all(s.status == 200 for s in served)  # no request failed across the switch
 
     async def pinned(version: int):
         async with httpx.AsyncClient(timeout=120) as http:

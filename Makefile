@@ -38,7 +38,7 @@ bench: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check onlinerl services operator tests bench
+	$(BIN)/ruff format --check onlinerl services operator tests bench tools
 
 chart: setup
 	$(BIN)/helm lint --strict charts/onlinerl

@@ -19,8 +19,9 @@ import numpy as np
 from onlinerl.rollout.decision import ArmStats, DecisionRules, decide
 
 
-def run_once(rng: np.random.Generator, p_candidate: float, p_stable: float, rules: DecisionRules,
-             max_samples: int) -> tuple[str, int]:
+def run_once(
+    rng: np.random.Generator, p_candidate: float, p_stable: float, rules: DecisionRules, max_samples: int
+) -> tuple[str, int]:
     """One canary: counters grow look by look (the decision only reads at looks, so finer steps change nothing)."""
     n_prev, acc_c, acc_s, last = 0, 0, 0, -1
     n = rules.min_samples
@@ -54,9 +55,10 @@ def main() -> None:
         counts = collections.Counter(a for a, _ in results)
         decided = [n for a, n in results if a != "hold"]
         med = int(statistics.median(decided)) if decided else "-"
-        print(f"| {pc:.2f} | {counts['promote'] / args.runs:.1%} | {counts['rollback'] / args.runs:.1%} "
-              f"| {counts['hold'] / args.runs:.1%} | {med} |")
-
+        print(
+            f"| {pc:.2f} | {counts['promote'] / args.runs:.1%} | {counts['rollback'] / args.runs:.1%} "
+            f"| {counts['hold'] / args.runs:.1%} | {med} |"
+        )
 
     print()
     print("| shown per arm | decide() time (median of 20) |")

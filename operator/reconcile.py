@@ -31,8 +31,16 @@ from onlinerl_operator.status import (
 log = logging.getLogger("onlinerl.operator")
 MONITOR_KINDS = ("ServiceMonitor", "PodMonitor")
 # Children removed explicitly on deletion (owner references make the garbage collector do it too).
-CHILD_KINDS = ("Ingress", "Job", "Deployment", "Service", "StatefulSet", "ConfigMap", "PersistentVolumeClaim",
-               *MONITOR_KINDS)
+CHILD_KINDS = (
+    "Ingress",
+    "Job",
+    "Deployment",
+    "Service",
+    "StatefulSet",
+    "ConfigMap",
+    "PersistentVolumeClaim",
+    *MONITOR_KINDS,
+)
 
 
 @dataclass
@@ -47,8 +55,10 @@ class TrainerBook:
 
 
 def _job_condition(job: dict[str, Any], ctype: str) -> bool:
-    return any(cd.get("type") == ctype and cd.get("status") == "True"
-               for cd in (job.get("status") or {}).get("conditions") or [])
+    return any(
+        cd.get("type") == ctype and cd.get("status") == "True"
+        for cd in (job.get("status") or {}).get("conditions") or []
+    )
 
 
 async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: float) -> TrainerBook:
@@ -60,8 +70,9 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
     if job is None:
         if book.retry_after is not None and now < book.retry_after:
             book.state = "retrying"
-            book.message = (f"trainer Job failed; restart {book.restarts}/{t.max_restarts} "
-                            f"in {book.retry_after - now:.0f}s")
+            book.message = (
+                f"trainer Job failed; restart {book.restarts}/{t.max_restarts} in {book.retry_after - now:.0f}s"
+            )
             return book
         await kube.create(desired)
         book.retry_after = None
@@ -80,11 +91,13 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
     if _job_condition(job, "Failed"):
         if book.restarts >= t.max_restarts:
             book.state = "failed"
-            book.message = (f"trainer Job failed {book.restarts + 1} times (trainer.maxRestarts={t.max_restarts}); "
-                            f"see `kubectl logs job/{name}`; any spec change retries")
+            book.message = (
+                f"trainer Job failed {book.restarts + 1} times (trainer.maxRestarts={t.max_restarts}); "
+                f"see `kubectl logs job/{name}`; any spec change retries"
+            )
             return book
         await kube.delete("Job", ns, name)
-        delay = t.restart_backoff_seconds * (2 ** book.restarts)
+        delay = t.restart_backoff_seconds * (2**book.restarts)
         book.restarts += 1
         book.retry_after = now + delay
         book.state = "retrying"
@@ -115,17 +128,24 @@ async def deployment_ready(kube: Kube, ns: str, name: str) -> tuple[bool, str]:
 
 def _book_from_status(status: dict[str, Any]) -> TrainerBook:
     retry = status.get("trainerRetryAfter")
-    return TrainerBook(restarts=int(status.get("trainerRestarts") or 0),
-                       retry_after=epoch_from_iso(retry) if retry else None)
+    return TrainerBook(
+        restarts=int(status.get("trainerRestarts") or 0), retry_after=epoch_from_iso(retry) if retry else None
+    )
 
 
-def compose_status(old: dict[str, Any], obs: Observation, observed_generation: int | None, extra: dict[str, Any],
-                   now: str) -> dict[str, Any]:
+def compose_status(
+    old: dict[str, Any], obs: Observation, observed_generation: int | None, extra: dict[str, Any], now: str
+) -> dict[str, Any]:
     """The full status document (validated by the JobStatus model, the same one the CRD schema comes from)."""
     conditions = stamp_conditions(derive_conditions(obs), old.get("conditions") or [], observed_generation, now)
     ready = next(cd for cd in conditions if cd["type"] == "Ready")
-    status = {**extra, "observedGeneration": observed_generation, "phase": derive_phase(obs),
-              "message": ready["message"], "conditions": conditions}
+    status = {
+        **extra,
+        "observedGeneration": observed_generation,
+        "phase": derive_phase(obs),
+        "message": ready["message"],
+        "conditions": conditions,
+    }
     return JobStatus.model_validate(status).model_dump(by_alias=True, mode="json", exclude_none=False)
 
 
@@ -176,12 +196,14 @@ class Reconciler:
             if not apply:
                 return None  # already reported as Invalid by the spec handler
             obs = Observation(generation=generation, invalid=str(exc))
-            status = compose_status(old, obs, generation, {"trainerRestarts": int(old.get("trainerRestarts") or 0)},
-                                    now_iso())
+            status = compose_status(
+                old, obs, generation, {"trainerRestarts": int(old.get("trainerRestarts") or 0)}, now_iso()
+            )
             await self.write_status(ns, name, status, old)
             return status
-        ctx = RenderContext(name=name, namespace=ns, uid=meta.get("uid", ""), cfg=cfg,
-                            monitoring_api=await self.monitoring_api())
+        ctx = RenderContext(
+            name=name, namespace=ns, uid=meta.get("uid", ""), cfg=cfg, monitoring_api=await self.monitoring_api()
+        )
         book = _book_from_status(old)
         spec_changed = generation is not None and old.get("observedGeneration") not in (None, generation)
         if apply and spec_changed:
@@ -193,21 +215,30 @@ class Reconciler:
         obs = Observation(generation=generation, trainer_state=book.state, trainer_message=book.message)
         obs.serving_ready, obs.serving_message = await deployment_ready(self.kube, ns, ctx.child("serving"))
         obs.feedback_ready, obs.feedback_message = await deployment_ready(self.kube, ns, ctx.child("feedback"))
-        extra: dict[str, Any] = {"trainerRestarts": book.restarts, "endpoints": endpoints(ctx),
-                                 "trainerRetryAfter": iso_from_epoch(book.retry_after) if book.retry_after else None}
+        extra: dict[str, Any] = {
+            "trainerRestarts": book.restarts,
+            "endpoints": endpoints(ctx),
+            "trainerRetryAfter": iso_from_epoch(book.retry_after) if book.retry_after else None,
+        }
         try:
             view = await apply_pin_and_read(await redis_url(self.kube, ctx), name, cfg.rollout.pinned_version)
             extra["redisReachable"] = True
             policy = view.policy
             obs.stable_version = policy.stable if policy else None
             obs.candidate_version = policy.candidate if policy else None
-            extra.update({"stableVersion": obs.stable_version, "candidateVersion": obs.candidate_version,
-                          "pinnedVersion": policy.pinned if policy else None,
-                          "canaryShare": policy.canary_share if policy else None,
-                          "acceptRate": view.accept_rate, "shown": view.shown,
-                          "samplesTrained": view.samples_trained, "trainerStep": view.trainer_step,
-                          "lastCheckpointTime": iso_from_epoch(view.last_checkpoint_at)
-                          if view.last_checkpoint_at else None})
+            extra.update(
+                {
+                    "stableVersion": obs.stable_version,
+                    "candidateVersion": obs.candidate_version,
+                    "pinnedVersion": policy.pinned if policy else None,
+                    "canaryShare": policy.canary_share if policy else None,
+                    "acceptRate": view.accept_rate,
+                    "shown": view.shown,
+                    "samplesTrained": view.samples_trained,
+                    "trainerStep": view.trainer_step,
+                    "lastCheckpointTime": iso_from_epoch(view.last_checkpoint_at) if view.last_checkpoint_at else None,
+                }
+            )
             if view.pin_changed:
                 log.info("%s/%s: policy pinned to %s", ns, name, cfg.rollout.pinned_version)
         except Exception as exc:
@@ -215,11 +246,12 @@ class Reconciler:
             for key in ("stableVersion", "candidateVersion", "pinnedVersion", "acceptRate", "samplesTrained"):
                 if old.get(key) is not None:
                     extra[key] = old[key]  # keep the last known figures
-            problems.append(f"Redis not reachable ({type(exc).__name__}: {exc}); "
-                            "rollout.pinnedVersion not applied yet")
+            problems.append(f"Redis not reachable ({type(exc).__name__}: {exc}); rollout.pinnedVersion not applied yet")
         if ctx.cfg.monitoring.service_monitor == "on" and not ctx.monitoring_api:
-            problems.append("monitoring.serviceMonitor=on but monitoring.coreos.com/v1 is not served "
-                            "(install the Prometheus operator or use auto)")
+            problems.append(
+                "monitoring.serviceMonitor=on but monitoring.coreos.com/v1 is not served "
+                "(install the Prometheus operator or use auto)"
+            )
         obs.problems = problems
         observed = generation if apply else old.get("observedGeneration")
         status = compose_status(old, obs, observed, extra, now_iso())
@@ -267,12 +299,15 @@ class Reconciler:
         """Delete every child of a deleted job that it owns. Redis data and the policy table stay."""
         deleted = []
         names = {
-            "Ingress": [name], "Job": [f"{name}-trainer"],
+            "Ingress": [name],
+            "Job": [f"{name}-trainer"],
             "Deployment": [f"{name}-serving", f"{name}-feedback"],
             "Service": [f"{name}-serving", f"{name}-feedback", f"{name}-trainer", f"{name}-redis"],
-            "StatefulSet": [f"{name}-redis"], "ConfigMap": [f"{name}-config"],
+            "StatefulSet": [f"{name}-redis"],
+            "ConfigMap": [f"{name}-config"],
             "PersistentVolumeClaim": [f"{name}-checkpoints"],
-            "ServiceMonitor": [name], "PodMonitor": [f"{name}-reloader"],
+            "ServiceMonitor": [name],
+            "PodMonitor": [f"{name}-reloader"],
         }
         monitoring = await self.monitoring_api()
         for kind in CHILD_KINDS:

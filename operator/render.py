@@ -81,13 +81,23 @@ def selector(ctx: RenderContext, component: str) -> dict[str, str]:
 
 
 def owner_reference(ctx: RenderContext) -> dict[str, Any]:
-    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": ctx.name, "uid": ctx.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "name": ctx.name,
+        "uid": ctx.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
-    return {"name": name, "namespace": ctx.namespace, "labels": labels(ctx, component),
-            "ownerReferences": [owner_reference(ctx)]}
+    return {
+        "name": name,
+        "namespace": ctx.namespace,
+        "labels": labels(ctx, component),
+        "ownerReferences": [owner_reference(ctx)],
+    }
 
 
 # --- the component config -------------------------------------------------------------------------------------
@@ -122,8 +132,12 @@ def config_hash(ctx: RenderContext) -> str:
 
 
 def config_map(ctx: RenderContext) -> Manifest:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(ctx, ctx.child("config"), "config"),
-            "data": {c.CONFIG_FILE: config_yaml(ctx)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(ctx, ctx.child("config"), "config"),
+        "data": {c.CONFIG_FILE: config_yaml(ctx)},
+    }
 
 
 # --- building blocks --------------------------------------------------------------------------------------------
@@ -141,21 +155,31 @@ def resources(spec: ResourcesConfig, gpus: int = 0, default_requests: dict[str, 
 
 
 def http_probe(path: str, port: int | str, period: int = 10, failures: int = 3, initial: int = 0) -> dict[str, Any]:
-    probe: dict[str, Any] = {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
-                             "failureThreshold": failures, "timeoutSeconds": 5}
+    probe: dict[str, Any] = {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
     if initial:
         probe["initialDelaySeconds"] = initial
     return probe
 
 
 def onlinerl_env(ctx: RenderContext) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [{"name": "ONLINERL_CONFIG", "value": f"{c.CONFIG_DIR}/{c.CONFIG_FILE}"},
-                                 {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env: list[dict[str, Any]] = [
+        {"name": "ONLINERL_CONFIG", "value": f"{c.CONFIG_DIR}/{c.CONFIG_FILE}"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
     if not ctx.cfg.model.path and not ctx.cfg.model.image:
         env.append({"name": "ONLINERL_CACHE", "value": c.MODEL_COPY_DIR})  # where the init container bootstrapped
     if ctx.cfg.redis.url_secret:
-        env.append({"name": "ONLINERL__REDIS__URL", "valueFrom": {"secretKeyRef": {
-            "name": ctx.cfg.redis.url_secret, "key": ctx.cfg.redis.url_secret_key}}})
+        env.append(
+            {
+                "name": "ONLINERL__REDIS__URL",
+                "valueFrom": {"secretKeyRef": {"name": ctx.cfg.redis.url_secret, "key": ctx.cfg.redis.url_secret_key}},
+            }
+        )
     return env
 
 
@@ -194,12 +218,27 @@ def model_init_containers(ctx: RenderContext) -> list[dict[str, Any]]:
     pull = ctx.cfg.images.pull_policy
     mount = [{"name": "model-copy", "mountPath": c.MODEL_COPY_DIR}]
     if m.image:
-        return [{"name": "model", "image": m.image, "imagePullPolicy": pull, "command": ["sh", "-c"],
-                 "args": [f'cp -a "{m.path}/." {c.MODEL_COPY_DIR}/'], "volumeMounts": mount}]
+        return [
+            {
+                "name": "model",
+                "image": m.image,
+                "imagePullPolicy": pull,
+                "command": ["sh", "-c"],
+                "args": [f'cp -a "{m.path}/." {c.MODEL_COPY_DIR}/'],
+                "volumeMounts": mount,
+            }
+        ]
     if not m.path and not m.claim:
-        return [{"name": "model-bootstrap", "image": ctx.cfg.images.trainer, "imagePullPolicy": pull,
-                 "command": ["onlinerl", "model", "bootstrap", "--cache-dir", c.MODEL_COPY_DIR],
-                 "volumeMounts": mount, "securityContext": HARDENED}]
+        return [
+            {
+                "name": "model-bootstrap",
+                "image": ctx.cfg.images.trainer,
+                "imagePullPolicy": pull,
+                "command": ["onlinerl", "model", "bootstrap", "--cache-dir", c.MODEL_COPY_DIR],
+                "volumeMounts": mount,
+                "securityContext": HARDENED,
+            }
+        ]
     return []
 
 
@@ -210,12 +249,28 @@ def pod_annotations(ctx: RenderContext) -> dict[str, str]:
 # --- serving --------------------------------------------------------------------------------------------------
 def vllm_args(ctx: RenderContext) -> list[str]:
     cfg = ctx.cfg
-    args = ["--model", ctx.model_path, "--served-model-name", cfg.model.served_name,
-            "--host", "127.0.0.1", "--port", str(c.ENGINE_PORT), "--max-model-len", str(cfg.model.max_model_len),
-            "--dtype", cfg.model.dtype]
+    args = [
+        "--model",
+        ctx.model_path,
+        "--served-model-name",
+        cfg.model.served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(c.ENGINE_PORT),
+        "--max-model-len",
+        str(cfg.model.max_model_len),
+        "--dtype",
+        cfg.model.dtype,
+    ]
     if cfg.serving.weights_mode == "lora":
-        args += ["--enable-lora", "--max-lora-rank", str(cfg.serving.lora.max_rank),
-                 "--max-loras", str(cfg.serving.lora.max_loras)]
+        args += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(cfg.serving.lora.max_rank),
+            "--max-loras",
+            str(cfg.serving.lora.max_loras),
+        ]
     if cfg.serving.gpus > 1:
         args += ["--tensor-parallel-size", str(cfg.serving.gpus)]
     return args + list(cfg.serving.vllm_args)
@@ -224,8 +279,12 @@ def vllm_args(ctx: RenderContext) -> list[str]:
 def _engine_health_probe(period: int, failures: int) -> dict[str, Any]:
     # vLLM listens on loopback only, so the kubelet cannot httpGet it: probe from inside the container.
     check = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{c.ENGINE_PORT}/health', timeout=4)"
-    return {"exec": {"command": ["python3", "-c", check]}, "periodSeconds": period, "failureThreshold": failures,
-            "timeoutSeconds": 5}
+    return {
+        "exec": {"command": ["python3", "-c", check]},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
 
 
 def vllm_container(ctx: RenderContext) -> dict[str, Any]:
@@ -236,8 +295,11 @@ def vllm_container(ctx: RenderContext) -> dict[str, Any]:
         env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # pause/reload_weights: loopback only
     if not gpu:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"})
-    mounts = [{"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR, "readOnly": True},
-              {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts(ctx)]
+    mounts = [
+        {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        *model_mounts(ctx),
+    ]
     return {
         "name": "vllm",
         "image": cfg.images.vllm if gpu else cfg.images.vllm_cpu,
@@ -245,8 +307,11 @@ def vllm_container(ctx: RenderContext) -> dict[str, Any]:
         "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
         "args": vllm_args(ctx),
         "env": env,
-        "resources": resources(cfg.serving.resources, cfg.serving.gpus,
-                               None if cfg.serving.resources.requests else {"cpu": "1", "memory": "4Gi"}),
+        "resources": resources(
+            cfg.serving.resources,
+            cfg.serving.gpus,
+            None if cfg.serving.resources.requests else {"cpu": "1", "memory": "4Gi"},
+        ),
         "volumeMounts": mounts,
         "startupProbe": _engine_health_probe(period=10, failures=180),
         "livenessProbe": _engine_health_probe(period=30, failures=3),
@@ -279,8 +344,10 @@ def reloader_container(ctx: RenderContext) -> dict[str, Any]:
         "ports": [{"name": "reloader", "containerPort": c.RELOADER_PORT, "protocol": "TCP"}],
         "env": onlinerl_env(ctx),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
-        "volumeMounts": [*_config_mounts(ctx),
-                         {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR, "readOnly": True}],
+        "volumeMounts": [
+            *_config_mounts(ctx),
+            {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR, "readOnly": True},
+        ],
         "livenessProbe": http_probe("/healthz", "reloader", period=10, initial=5),
         "securityContext": HARDENED,
     }
@@ -296,13 +363,25 @@ def _config_mounts(ctx: RenderContext) -> list[dict[str, Any]]:
 def _keys_volumes(ctx: RenderContext) -> list[dict[str, Any]]:
     if not ctx.cfg.auth.api_keys_secret:
         return []
-    return [{"name": "api-keys", "secret": {"secretName": ctx.cfg.auth.api_keys_secret,
-                                            "items": [{"key": c.KEYS_FILE, "path": c.KEYS_FILE}]}}]
+    return [
+        {
+            "name": "api-keys",
+            "secret": {
+                "secretName": ctx.cfg.auth.api_keys_secret,
+                "items": [{"key": c.KEYS_FILE, "path": c.KEYS_FILE}],
+            },
+        }
+    ]
 
 
 def serving_deployment(ctx: RenderContext) -> Manifest:
-    volumes = [config_volume(ctx), checkpoint_volume(ctx), {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-               *_keys_volumes(ctx), *model_volumes(ctx)]
+    volumes = [
+        config_volume(ctx),
+        checkpoint_volume(ctx),
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        *_keys_volumes(ctx),
+        *model_volumes(ctx),
+    ]
     pod: dict[str, Any] = {
         "initContainers": model_init_containers(ctx),
         "containers": [vllm_container(ctx), gateway_container(ctx), reloader_container(ctx)],
@@ -313,14 +392,17 @@ def serving_deployment(ctx: RenderContext) -> Manifest:
     if not pod["initContainers"]:
         del pod["initContainers"]
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": metadata(ctx, ctx.child("serving"), "serving"),
         "spec": {
             "replicas": ctx.cfg.serving.replicas,
             "selector": {"matchLabels": selector(ctx, "serving")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": labels(ctx, "serving"), "annotations": pod_annotations(ctx)},
-                         "spec": pod},
+            "template": {
+                "metadata": {"labels": labels(ctx, "serving"), "annotations": pod_annotations(ctx)},
+                "spec": pod,
+            },
         },
     }
 
@@ -328,9 +410,16 @@ def serving_deployment(ctx: RenderContext) -> Manifest:
 def service(ctx: RenderContext, component: str, port_name: str, port: int) -> Manifest:
     meta = metadata(ctx, ctx.child(component), component)
     meta["labels"]["onlinerl.dev/metrics"] = "true"
-    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-            "spec": {"type": "ClusterIP", "selector": selector(ctx, component),
-                     "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(ctx, component),
+            "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}],
+        },
+    }
 
 
 def serving_service(ctx: RenderContext) -> Manifest:
@@ -347,22 +436,25 @@ def feedback_deployment(ctx: RenderContext) -> Manifest:
         "command": ["python", "-m", "onlinerl_feedback"],
         "ports": [{"name": "http", "containerPort": cfg.feedback.port, "protocol": "TCP"}],
         "env": onlinerl_env(ctx),
-        "resources": resources(cfg.feedback.resources, 0,
-                               None if cfg.feedback.resources.requests else {"cpu": "250m", "memory": "256Mi"}),
+        "resources": resources(
+            cfg.feedback.resources, 0, None if cfg.feedback.resources.requests else {"cpu": "250m", "memory": "256Mi"}
+        ),
         "volumeMounts": _config_mounts(ctx),
         "readinessProbe": http_probe("/readyz", "http", period=5),
         "livenessProbe": http_probe("/healthz", "http", period=10, initial=5),
         "securityContext": HARDENED,
     }
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": metadata(ctx, ctx.child("feedback"), "feedback"),
         "spec": {
             "replicas": cfg.feedback.replicas,
             "selector": {"matchLabels": selector(ctx, "feedback")},
-            "template": {"metadata": {"labels": labels(ctx, "feedback"), "annotations": pod_annotations(ctx)},
-                         "spec": {"containers": [container],
-                                  "volumes": [config_volume(ctx), *_keys_volumes(ctx)]}},
+            "template": {
+                "metadata": {"labels": labels(ctx, "feedback"), "annotations": pod_annotations(ctx)},
+                "spec": {"containers": [container], "volumes": [config_volume(ctx), *_keys_volumes(ctx)]},
+            },
         },
     }
 
@@ -395,11 +487,17 @@ def trainer_job(ctx: RenderContext) -> Manifest:
         "command": trainer_command(ctx),
         "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
         "env": onlinerl_env(ctx),
-        "resources": resources(cfg.trainer.resources, cfg.trainer.gpus,
-                               None if cfg.trainer.resources.requests else {"cpu": "1", "memory": "4Gi"}),
-        "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_DIR, "readOnly": True},
-                         {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR},
-                         {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts(ctx)],
+        "resources": resources(
+            cfg.trainer.resources,
+            cfg.trainer.gpus,
+            None if cfg.trainer.resources.requests else {"cpu": "1", "memory": "4Gi"},
+        ),
+        "volumeMounts": [
+            {"name": "config", "mountPath": c.CONFIG_DIR, "readOnly": True},
+            {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *model_mounts(ctx),
+        ],
         "startupProbe": http_probe("/healthz", "metrics", period=10, failures=60),
         "livenessProbe": http_probe("/healthz", "metrics", period=15, failures=4),
         "securityContext": {"allowPrivilegeEscalation": False},
@@ -407,8 +505,12 @@ def trainer_job(ctx: RenderContext) -> Manifest:
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [container],
-        "volumes": [config_volume(ctx), checkpoint_volume(ctx), {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                    *model_volumes(ctx)],
+        "volumes": [
+            config_volume(ctx),
+            checkpoint_volume(ctx),
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *model_volumes(ctx),
+        ],
         "terminationGracePeriodSeconds": 120,  # lets the trainer finish writing a checkpoint
     }
     init = model_init_containers(ctx)
@@ -417,13 +519,16 @@ def trainer_job(ctx: RenderContext) -> Manifest:
     meta = metadata(ctx, ctx.child("trainer"), "trainer")
     meta["annotations"] = {c.ANNO_SPEC_HASH: trainer_hash(ctx)}
     return {
-        "apiVersion": "batch/v1", "kind": "Job",
+        "apiVersion": "batch/v1",
+        "kind": "Job",
         "metadata": meta,
         "spec": {
             "backoffLimit": 2,
             "suspend": cfg.trainer.suspend,
-            "template": {"metadata": {"labels": labels(ctx, "trainer"), "annotations": pod_annotations(ctx)},
-                         "spec": pod},
+            "template": {
+                "metadata": {"labels": labels(ctx, "trainer"), "annotations": pod_annotations(ctx)},
+                "spec": pod,
+            },
         },
     }
 
@@ -445,8 +550,12 @@ def checkpoint_pvc(ctx: RenderContext) -> Manifest | None:
     spec: dict[str, Any] = {"accessModes": [st.access_mode], "resources": {"requests": {"storage": st.size}}}
     if st.storage_class:
         spec["storageClassName"] = st.storage_class
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": metadata(ctx, ctx.child("checkpoints"), "storage"), "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": metadata(ctx, ctx.child("checkpoints"), "storage"),
+        "spec": spec,
+    }
 
 
 def ingress(ctx: RenderContext) -> Manifest | None:
@@ -455,11 +564,20 @@ def ingress(ctx: RenderContext) -> Manifest | None:
         return None
 
     def path(prefix: str, component: str, port: int) -> dict[str, Any]:
-        return {"path": prefix, "pathType": "Prefix",
-                "backend": {"service": {"name": ctx.child(component), "port": {"number": port}}}}
+        return {
+            "path": prefix,
+            "pathType": "Prefix",
+            "backend": {"service": {"name": ctx.child(component), "port": {"number": port}}},
+        }
 
-    rule: dict[str, Any] = {"http": {"paths": [path("/v1", "serving", ctx.cfg.serving.port),
-                                               path("/api/training", "feedback", ctx.cfg.feedback.port)]}}
+    rule: dict[str, Any] = {
+        "http": {
+            "paths": [
+                path("/v1", "serving", ctx.cfg.serving.port),
+                path("/api/training", "feedback", ctx.cfg.feedback.port),
+            ]
+        }
+    }
     if ing.host:
         rule["host"] = ing.host
     spec: dict[str, Any] = {"rules": [rule]}
@@ -467,35 +585,53 @@ def ingress(ctx: RenderContext) -> Manifest | None:
         spec["ingressClassName"] = ing.class_name
     if ing.tls_secret:
         spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret}]
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": metadata(ctx, ctx.name, "ingress"),
-            "spec": spec}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": metadata(ctx, ctx.name, "ingress"),
+        "spec": spec,
+    }
 
 
 def service_monitor(ctx: RenderContext) -> Manifest:
     """Scrapes the gateway, feedback and trainer Services (all labelled onlinerl.dev/metrics=true)."""
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-            "metadata": metadata(ctx, ctx.name, "monitoring"),
-            "spec": {"selector": {"matchLabels": {c.LABEL_JOB: ctx.name, "onlinerl.dev/metrics": "true"}},
-                     # Series carry the job label, so alerts and dashboards can tell two jobs in one namespace apart.
-                     "targetLabels": [c.LABEL_JOB],
-                     "endpoints": [{"port": "http", "path": "/metrics", "interval": "30s"},
-                                   {"port": "metrics", "path": "/metrics", "interval": "30s"}]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": metadata(ctx, ctx.name, "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": {c.LABEL_JOB: ctx.name, "onlinerl.dev/metrics": "true"}},
+            # Series carry the job label, so alerts and dashboards can tell two jobs in one namespace apart.
+            "targetLabels": [c.LABEL_JOB],
+            "endpoints": [
+                {"port": "http", "path": "/metrics", "interval": "30s"},
+                {"port": "metrics", "path": "/metrics", "interval": "30s"},
+            ],
+        },
+    }
 
 
 def pod_monitor(ctx: RenderContext) -> Manifest:
     """The reloader's port has no Service (it is per replica): scrape the serving pods directly."""
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-            "metadata": metadata(ctx, ctx.child("reloader"), "monitoring"),
-            "spec": {"selector": {"matchLabels": selector(ctx, "serving")},
-                     "podTargetLabels": [c.LABEL_JOB],
-                     "podMetricsEndpoints": [{"port": "reloader", "path": "/metrics", "interval": "30s"}]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": metadata(ctx, ctx.child("reloader"), "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": selector(ctx, "serving")},
+            "podTargetLabels": [c.LABEL_JOB],
+            "podMetricsEndpoints": [{"port": "reloader", "path": "/metrics", "interval": "30s"}],
+        },
+    }
 
 
 def redis_statefulset(ctx: RenderContext) -> Manifest:
     """In-cluster Redis with the durability docs/architecture.md requires (AOF, fsync always, noeviction)."""
     cfg = ctx.cfg
-    server = ("exec $(command -v valkey-server || command -v redis-server) --port 6379 --dir /data "
-              "--appendonly yes --appendfsync always --maxmemory-policy noeviction --protected-mode no")
+    server = (
+        "exec $(command -v valkey-server || command -v redis-server) --port 6379 --dir /data "
+        "--appendonly yes --appendfsync always --maxmemory-policy noeviction --protected-mode no"
+    )
     ping = ["sh", "-c", "$(command -v valkey-cli || command -v redis-cli) ping | grep -q PONG"]
     container = {
         "name": "redis",
@@ -503,36 +639,48 @@ def redis_statefulset(ctx: RenderContext) -> Manifest:
         "imagePullPolicy": cfg.images.pull_policy,
         "command": ["sh", "-c", server],
         "ports": [{"name": "redis", "containerPort": c.REDIS_PORT, "protocol": "TCP"}],
-        "resources": resources(cfg.redis.resources, 0,
-                               None if cfg.redis.resources.requests else {"cpu": "250m", "memory": "1Gi"}),
+        "resources": resources(
+            cfg.redis.resources, 0, None if cfg.redis.resources.requests else {"cpu": "250m", "memory": "1Gi"}
+        ),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
         "readinessProbe": {"exec": {"command": ping}, "periodSeconds": 5, "timeoutSeconds": 3},
         "livenessProbe": {"exec": {"command": ping}, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
         "securityContext": HARDENED,
     }
-    claim: dict[str, Any] = {"metadata": {"name": "data", "labels": labels(ctx, "redis")},
-                             "spec": {"accessModes": ["ReadWriteOnce"],
-                                      "resources": {"requests": {"storage": cfg.redis.storage_size}}}}
+    claim: dict[str, Any] = {
+        "metadata": {"name": "data", "labels": labels(ctx, "redis")},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": cfg.redis.storage_size}}},
+    }
     if cfg.storage.storage_class:
         claim["spec"]["storageClassName"] = cfg.storage.storage_class
     return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
         "metadata": metadata(ctx, ctx.child("redis"), "redis"),
         "spec": {
             "serviceName": ctx.child("redis"),
             "replicas": 1,
             "selector": {"matchLabels": selector(ctx, "redis")},
-            "template": {"metadata": {"labels": labels(ctx, "redis")},
-                         "spec": {"containers": [container], "terminationGracePeriodSeconds": 30}},
+            "template": {
+                "metadata": {"labels": labels(ctx, "redis")},
+                "spec": {"containers": [container], "terminationGracePeriodSeconds": 30},
+            },
             "volumeClaimTemplates": [claim],
         },
     }
 
 
 def redis_service(ctx: RenderContext) -> Manifest:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(ctx, ctx.child("redis"), "redis"),
-            "spec": {"type": "ClusterIP", "selector": selector(ctx, "redis"),
-                     "ports": [{"name": "redis", "port": c.REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(ctx, ctx.child("redis"), "redis"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(ctx, "redis"),
+            "ports": [{"name": "redis", "port": c.REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}],
+        },
+    }
 
 
 def render_all(ctx: RenderContext) -> list[Manifest]:
@@ -540,8 +688,15 @@ def render_all(ctx: RenderContext) -> list[Manifest]:
     out: list[Manifest | None] = [config_map(ctx), checkpoint_pvc(ctx)]
     if ctx.in_cluster_redis:
         out += [redis_service(ctx), redis_statefulset(ctx)]
-    out += [serving_deployment(ctx), serving_service(ctx), feedback_deployment(ctx), feedback_service(ctx),
-            trainer_service(ctx), trainer_job(ctx), ingress(ctx)]
+    out += [
+        serving_deployment(ctx),
+        serving_service(ctx),
+        feedback_deployment(ctx),
+        feedback_service(ctx),
+        trainer_service(ctx),
+        trainer_job(ctx),
+        ingress(ctx),
+    ]
     if ctx.monitors_enabled:
         out += [service_monitor(ctx), pod_monitor(ctx)]
     return [m for m in out if m is not None]

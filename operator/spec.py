@@ -21,14 +21,19 @@ def semantic_problems(cfg: OnlineRLConfig) -> list[str]:
     problems = []
     t, s = cfg.trainer, cfg.serving
     if t.micro_batch_size > t.batch_size:
-        problems.append(f"trainer.microBatchSize ({t.micro_batch_size}) must not exceed "
-                        f"trainer.batchSize ({t.batch_size})")
+        problems.append(
+            f"trainer.microBatchSize ({t.micro_batch_size}) must not exceed trainer.batchSize ({t.batch_size})"
+        )
     if t.weights != s.weights_mode:
-        problems.append(f"trainer.weights ({t.weights}) and serving.weightsMode ({s.weights_mode}) must match: "
-                        "the reloader can only load what the trainer publishes")
+        problems.append(
+            f"trainer.weights ({t.weights}) and serving.weightsMode ({s.weights_mode}) must match: "
+            "the reloader can only load what the trainer publishes"
+        )
     if t.weights == "lora" and t.lora.r > s.lora.max_rank:
-        problems.append(f"trainer.lora.r ({t.lora.r}) exceeds serving.lora.maxRank ({s.lora.max_rank}): "
-                        "vLLM would refuse the adapter")
+        problems.append(
+            f"trainer.lora.r ({t.lora.r}) exceeds serving.lora.maxRank ({s.lora.max_rank}): "
+            "vLLM would refuse the adapter"
+        )
     if t.engine == "torch" and t.gpus > 1:
         problems.append(f"trainer.engine=torch runs one process; trainer.gpus={t.gpus} needs engine deepspeed or auto")
     if cfg.model.fim_template != "auto":

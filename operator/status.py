@@ -107,30 +107,58 @@ def derive_conditions(obs: Observation) -> list[dict[str, str]]:
         ]
     trainer_ok = obs.trainer_state == "running"
     trainer_reason = {
-        "running": "Running", "pending": "Starting", "suspended": "Suspended", "failed": "BackoffLimitExceeded",
-        "retrying": "Restarting", "completed": "Completed", "absent": "NotCreated",
+        "running": "Running",
+        "pending": "Starting",
+        "suspended": "Suspended",
+        "failed": "BackoffLimitExceeded",
+        "retrying": "Restarting",
+        "completed": "Completed",
+        "absent": "NotCreated",
     }[obs.trainer_state]
     promoted = obs.stable_version is not None and obs.stable_version > 0
-    promoted_msg = (f"policy v{obs.stable_version} is stable" if promoted else
-                    "serving the base model (v0); no trained version promoted yet" if obs.stable_version == 0 else
-                    "policy table not readable yet")
+    promoted_msg = (
+        f"policy v{obs.stable_version} is stable"
+        if promoted
+        else "serving the base model (v0); no trained version promoted yet"
+        if obs.stable_version == 0
+        else "policy table not readable yet"
+    )
     degraded_msgs = list(obs.problems)
     if obs.trainer_state in ("failed", "retrying"):
         degraded_msgs.insert(0, obs.trainer_message)
     trainer_fine = trainer_ok or obs.trainer_state == "suspended"
     ready = bool(obs.serving_ready and obs.feedback_ready and trainer_fine and not degraded_msgs)
-    not_ready = [m for m, ok in ((obs.serving_message, obs.serving_ready), (obs.feedback_message, obs.feedback_ready),
-                                 (obs.trainer_message, trainer_fine)) if not ok and m]
+    not_ready = [
+        m
+        for m, ok in (
+            (obs.serving_message, obs.serving_ready),
+            (obs.feedback_message, obs.feedback_ready),
+            (obs.trainer_message, trainer_fine),
+        )
+        if not ok and m
+    ]
     return [
-        _cond("Ready", ready, "AllComponentsReady" if ready else "ComponentsNotReady",
-              "serving, feedback and trainer are up" if ready else "; ".join(not_ready + degraded_msgs)),
+        _cond(
+            "Ready",
+            ready,
+            "AllComponentsReady" if ready else "ComponentsNotReady",
+            "serving, feedback and trainer are up" if ready else "; ".join(not_ready + degraded_msgs),
+        ),
         _cond("ServingReady", obs.serving_ready, "Ready" if obs.serving_ready else "NotReady", obs.serving_message),
         _cond("FeedbackReady", obs.feedback_ready, "Ready" if obs.feedback_ready else "NotReady", obs.feedback_message),
         _cond("TrainerRunning", trainer_ok, trainer_reason, obs.trainer_message),
-        _cond("PolicyPromoted", promoted if obs.stable_version is not None else None,
-              "Promoted" if promoted else "BaseModel" if obs.stable_version == 0 else "Unknown", promoted_msg),
-        _cond("Degraded", bool(degraded_msgs), "Problems" if degraded_msgs else "Healthy",
-              "; ".join(degraded_msgs) or "no problems seen"),
+        _cond(
+            "PolicyPromoted",
+            promoted if obs.stable_version is not None else None,
+            "Promoted" if promoted else "BaseModel" if obs.stable_version == 0 else "Unknown",
+            promoted_msg,
+        ),
+        _cond(
+            "Degraded",
+            bool(degraded_msgs),
+            "Problems" if degraded_msgs else "Healthy",
+            "; ".join(degraded_msgs) or "no problems seen",
+        ),
     ]
 
 

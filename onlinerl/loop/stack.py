@@ -100,8 +100,10 @@ def continue_template_lines(template) -> str:
     else:
         tpl = f"{template.begin}{{{{{{prefix}}}}}}{template.hole}{{{{{{suffix}}}}}}{template.end}"
     stops = ", ".join(json.dumps(s) for s in template.stop)
-    return (f"    promptTemplates:\n      autocomplete: {json.dumps(tpl)}\n"
-            f"    defaultCompletionOptions:\n      maxTokens: 64\n      stop: [{stops}]\n")
+    return (
+        f"    promptTemplates:\n      autocomplete: {json.dumps(tpl)}\n"
+        f"    defaultCompletionOptions:\n      maxTokens: 64\n      stop: [{stops}]\n"
+    )
 
 
 def continue_snippet(cfg: OnlineRLConfig, api_key: str, host: str = "127.0.0.1") -> str:

@@ -40,8 +40,9 @@ def serve_http(controller: RolloutController, port: int, interval: float) -> Met
         healthy = controller.evaluating is not None or (last is not None and time.monotonic() - last < 3 * interval + 5)
         return healthy, "ok" if healthy else "no successful tick recently"
 
-    return MetricsHTTPServer(lambda: generate_latest(controller.metrics.registry), "0.0.0.0", port, health,
-                             name="rollout-http").start()
+    return MetricsHTTPServer(
+        lambda: generate_latest(controller.metrics.registry), "0.0.0.0", port, health, name="rollout-http"
+    ).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = serve_http(controller, args.port, args.interval)
-    logging.getLogger("onlinerl.rollout").info("rollout controller for job %s (strategy %s) on :%d",
-                                                cfg.job, cfg.rollout.strategy, args.port)
+    logging.getLogger("onlinerl.rollout").info(
+        "rollout controller for job %s (strategy %s) on :%d", cfg.job, cfg.rollout.strategy, args.port
+    )
     try:
         controller.run(stop, args.interval)
     finally:

@@ -53,9 +53,18 @@ DecisionHook = Callable[[DecisionRecord], None]
 
 
 class RolloutController:
-    def __init__(self, r: redis.Redis, job: str, cfg: RolloutConfig, evaluator: Evaluator | None = None, *,
-                 clock: Callable[[], float] = time.time, on_decision: Iterable[DecisionHook] = (),
-                 metrics: RolloutMetrics | None = None, gate_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        r: redis.Redis,
+        job: str,
+        cfg: RolloutConfig,
+        evaluator: Evaluator | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_decision: Iterable[DecisionHook] = (),
+        metrics: RolloutMetrics | None = None,
+        gate_attempts: int = 3,
+    ) -> None:
         if cfg.strategy == "canary" and cfg.gate.enabled and evaluator is None:
             raise ValueError("rollout.gate.enabled needs an evaluator (or set rollout.gate.enabled: false)")
         self.keys = Keys(job)
@@ -98,8 +107,9 @@ class RolloutController:
         if table.paused:
             return []
         judged = self.store.states()
-        fresh = sorted(v for v, s in self.store.versions().items()
-                       if s.state == "loaded" and v > table.stable and v not in judged)
+        fresh = sorted(
+            v for v, s in self.store.versions().items() if s.state == "loaded" and v > table.stable and v not in judged
+        )
         if not fresh:
             return []
         out = [rec for old in fresh[:-1] if (rec := self._supersede(old, fresh[-1], table.stable))]
@@ -113,18 +123,32 @@ class RolloutController:
         else:
             passed, reason, figures = result.passed, "; ".join(result.reasons) or "gate passed", result.figures()
         if passed:
-            state = RolloutState(version=newest, state="canary", started_at=now, stable_version=table.stable,
-                                 reason=reason)
-            rec = DecisionRecord(decision="gate_pass", version=newest, stable=table.stable, reason=reason,
-                                 figures={**figures, "canary_share": self.cfg.canary_share}, at=now)
-            ok = self.store.apply(rec, expect_stable=table.stable, expect_candidate=None, states=[state],
-                                  policy={"candidate": newest, "canary_share": self.cfg.canary_share},
-                                  snapshot_stable=table.stable)
+            state = RolloutState(
+                version=newest, state="canary", started_at=now, stable_version=table.stable, reason=reason
+            )
+            rec = DecisionRecord(
+                decision="gate_pass",
+                version=newest,
+                stable=table.stable,
+                reason=reason,
+                figures={**figures, "canary_share": self.cfg.canary_share},
+                at=now,
+            )
+            ok = self.store.apply(
+                rec,
+                expect_stable=table.stable,
+                expect_candidate=None,
+                states=[state],
+                policy={"candidate": newest, "canary_share": self.cfg.canary_share},
+                snapshot_stable=table.stable,
+            )
         else:
-            state = RolloutState(version=newest, state="gate_failed", stable_version=table.stable, decided_at=now,
-                                 reason=reason)
-            rec = DecisionRecord(decision="gate_fail", version=newest, stable=table.stable, reason=reason,
-                                 figures=figures, at=now)
+            state = RolloutState(
+                version=newest, state="gate_failed", stable_version=table.stable, decided_at=now, reason=reason
+            )
+            rec = DecisionRecord(
+                decision="gate_fail", version=newest, stable=table.stable, reason=reason, figures=figures, at=now
+            )
             ok = self.store.apply(rec, states=[state])
         if ok:
             self._emit(rec)
@@ -186,10 +210,15 @@ class RolloutController:
             new_state = state.model_copy(update={"last_look": v.look})
             policy = None
         else:
-            new_state = state.model_copy(update={
-                "state": "promoted" if v.action == "promote" else "rolled_back", "last_look": v.look,
-                "decided_at": now, "reason": v.reason,
-                "previous_stable": stable if v.action == "promote" else None})
+            new_state = state.model_copy(
+                update={
+                    "state": "promoted" if v.action == "promote" else "rolled_back",
+                    "last_look": v.look,
+                    "decided_at": now,
+                    "reason": v.reason,
+                    "previous_stable": stable if v.action == "promote" else None,
+                }
+            )
             policy = {"candidate": None, "canary_share": 0.0}
             if v.action == "promote":
                 policy["stable"] = cand
@@ -204,17 +233,25 @@ class RolloutController:
         if table.paused or not self.rules.inconclusive(state.last_look):
             return []
         judged = self.store.states()
-        newer = [v for v, s in self.store.versions().items()
-                 if s.state == "loaded" and v > state.version and v not in judged]
+        newer = [
+            v for v, s in self.store.versions().items() if s.state == "loaded" and v > state.version and v not in judged
+        ]
         if not newer:
             return []
         now = self.clock()
-        reason = (f"inconclusive after {state.last_look + 1} looks; v{max(newer)} is newer and gets the canary "
-                  "(no verdict on quality)")
+        reason = (
+            f"inconclusive after {state.last_look + 1} looks; v{max(newer)} is newer and gets the canary "
+            "(no verdict on quality)"
+        )
         rec = DecisionRecord(decision="supersede", version=state.version, stable=table.stable, reason=reason, at=now)
         done = state.model_copy(update={"state": "superseded", "decided_at": now, "reason": reason})
-        if not self.store.apply(rec, expect_stable=table.stable, expect_candidate=state.version,
-                                policy={"candidate": None, "canary_share": 0.0}, states=[done]):
+        if not self.store.apply(
+            rec,
+            expect_stable=table.stable,
+            expect_candidate=state.version,
+            policy={"candidate": None, "canary_share": 0.0},
+            states=[done],
+        ):
             return []
         self._emit(rec)
         return [rec]
@@ -223,12 +260,16 @@ class RolloutController:
         """The candidate was set by hand, or stable changed under it: restart its canary with a fresh baseline."""
         cand, stable = table.candidate, table.stable
         now = self.clock()
-        why = ("candidate set outside the controller" if state is None or state.state != "canary"
-               else f"stable changed from v{state.stable_version} to v{stable}")
+        why = (
+            "candidate set outside the controller"
+            if state is None or state.state != "canary"
+            else f"stable changed from v{state.stable_version} to v{stable}"
+        )
         rec = DecisionRecord(decision="hold", version=cand, stable=stable, reason=f"canary restarted: {why}", at=now)
         new_state = RolloutState(version=cand, state="canary", started_at=now, stable_version=stable, reason=why)
-        ok = self.store.apply(rec, expect_stable=stable, expect_candidate=cand, states=[new_state],
-                              snapshot_stable=stable)
+        ok = self.store.apply(
+            rec, expect_stable=stable, expect_candidate=cand, states=[new_state], snapshot_stable=stable
+        )
         if ok:
             self._emit(rec)
             return [rec]

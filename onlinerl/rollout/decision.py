@@ -113,10 +113,16 @@ class Verdict:
             "p_yield": round(self.p_yield, 6),
             "look": self.look,
             "samples": self.samples,
-            "candidate": {**asdict(self.candidate), "accept_rate": round(self.candidate.accept_rate, 6),
-                          "accepted_per_100": round(self.candidate.accepted_per_100, 4)},
-            "stable": {**asdict(self.stable), "accept_rate": round(self.stable.accept_rate, 6),
-                       "accepted_per_100": round(self.stable.accepted_per_100, 4)},
+            "candidate": {
+                **asdict(self.candidate),
+                "accept_rate": round(self.candidate.accept_rate, 6),
+                "accepted_per_100": round(self.candidate.accepted_per_100, 4),
+            },
+            "stable": {
+                **asdict(self.stable),
+                "accept_rate": round(self.stable.accept_rate, 6),
+                "accepted_per_100": round(self.stable.accepted_per_100, 4),
+            },
         }
 
 
@@ -139,15 +145,20 @@ def look_threshold(probability: float, look: int) -> float:
 
 def win_probabilities(candidate: ArmStats, stable: ArmStats) -> tuple[float, float]:
     """(P(candidate accept rate >= stable's), P(candidate yield >= stable's))."""
-    p_rate = prob_greater(BetaPosterior.from_counts(stable.accepted, stable.shown),
-                          BetaPosterior.from_counts(candidate.accepted, candidate.shown))
-    p_yield = prob_greater(BetaPosterior.from_counts(stable.accepted, stable.requests),
-                           BetaPosterior.from_counts(candidate.accepted, candidate.requests))
+    p_rate = prob_greater(
+        BetaPosterior.from_counts(stable.accepted, stable.shown),
+        BetaPosterior.from_counts(candidate.accepted, candidate.shown),
+    )
+    p_yield = prob_greater(
+        BetaPosterior.from_counts(stable.accepted, stable.requests),
+        BetaPosterior.from_counts(candidate.accepted, candidate.requests),
+    )
     return p_rate, p_yield
 
 
-def decide(candidate: ArmStats, stable: ArmStats, dwell_seconds: float, last_look: int,
-           rules: DecisionRules) -> Verdict:
+def decide(
+    candidate: ArmStats, stable: ArmStats, dwell_seconds: float, last_look: int, rules: DecisionRules
+) -> Verdict:
     """Promote, roll back or hold, given counters since the candidate started and the last look already tested."""
     p_rate, p_yield = win_probabilities(candidate, stable)
     n = min(candidate.shown, stable.shown)
@@ -167,13 +178,19 @@ def decide(candidate: ArmStats, stable: ArmStats, dwell_seconds: float, last_loo
     if 1.0 - p_rate >= worse:
         return verdict("rollback", f"accept rate worse: P(candidate < stable) = {1 - p_rate:.4f} >= {worse:.4f}", True)
     if 1.0 - p_yield >= worse:
-        return verdict("rollback", f"accepted per 100 requests worse (a quieter policy does not win): "
-                                   f"P(candidate < stable) = {1 - p_yield:.4f} >= {worse:.4f}", True)
+        return verdict(
+            "rollback",
+            f"accepted per 100 requests worse (a quieter policy does not win): "
+            f"P(candidate < stable) = {1 - p_yield:.4f} >= {worse:.4f}",
+            True,
+        )
     better = look_threshold(rules.promote_probability, look)
     if p_rate >= better:
         return verdict("promote", f"accept rate better: P(candidate >= stable) = {p_rate:.4f} >= {better:.4f}", True)
     if p_yield >= better:
-        return verdict("promote", f"accepted per 100 requests better: "
-                                  f"P(candidate >= stable) = {p_yield:.4f} >= {better:.4f}", True)
-    return verdict("hold", f"within noise at look {look}: P(accept rate) = {p_rate:.4f}, "
-                           f"P(yield) = {p_yield:.4f}", True)
+        return verdict(
+            "promote", f"accepted per 100 requests better: P(candidate >= stable) = {p_yield:.4f} >= {better:.4f}", True
+        )
+    return verdict(
+        "hold", f"within noise at look {look}: P(accept rate) = {p_rate:.4f}, P(yield) = {p_yield:.4f}", True
+    )

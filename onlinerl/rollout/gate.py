@@ -38,8 +38,9 @@ class GateInput:
     stable: Sequence[EvalRecord]
 
     @classmethod
-    def from_records(cls, candidate_version: int, stable_version: int,
-                     records: Iterable[Mapping[str, Any]]) -> GateInput:
+    def from_records(
+        cls, candidate_version: int, stable_version: int, records: Iterable[Mapping[str, Any]]
+    ) -> GateInput:
         """From eval records (``version``/``policy_version``, ``shown_text``/``completion``, ``accepted``)."""
         by_version: dict[int, list[EvalRecord]] = {candidate_version: [], stable_version: []}
         for rec in records:
@@ -47,8 +48,9 @@ class GateInput:
             if version in by_version:
                 text = rec.get("shown_text", rec.get("completion", "")) or ""
                 by_version[version].append(EvalRecord(str(text), bool(rec.get("accepted", False))))
-        return cls(candidate_version, stable_version, tuple(by_version[candidate_version]),
-                   tuple(by_version[stable_version]))
+        return cls(
+            candidate_version, stable_version, tuple(by_version[candidate_version]), tuple(by_version[stable_version])
+        )
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,13 @@ class GateThresholds:
 
     @classmethod
     def from_config(cls, cfg: GateConfig, **overrides: float) -> GateThresholds:
-        base = cls(cfg.accept_rate_margin, cfg.accepted_per_100_margin, cfg.max_empty_rate, cfg.max_repetition_rate,
-                   cfg.eval_samples)
+        base = cls(
+            cfg.accept_rate_margin,
+            cfg.accepted_per_100_margin,
+            cfg.max_empty_rate,
+            cfg.max_repetition_rate,
+            cfg.eval_samples,
+        )
         return cls(**{**asdict(base), **overrides})
 
 
@@ -88,8 +95,12 @@ class GateResult:
     stable: EvalFigures
 
     def figures(self) -> dict[str, Any]:
-        return {"passed": self.passed, "reasons": list(self.reasons),
-                "candidate": asdict(self.candidate), "stable": asdict(self.stable)}
+        return {
+            "passed": self.passed,
+            "reasons": list(self.reasons),
+            "candidate": asdict(self.candidate),
+            "stable": asdict(self.stable),
+        }
 
 
 def repetition_score(text: str) -> float:
@@ -128,25 +139,33 @@ def evaluate_gate(inp: GateInput, th: GateThresholds) -> GateResult:
     reasons: list[str] = []
     for name, fig in (("candidate", cand), ("stable", stab)):
         if fig.requests < th.min_records:
-            reasons.append(f"{name} eval has {fig.requests} records, the gate needs {th.min_records} "
-                           "(gate.evalSamples)")
+            reasons.append(
+                f"{name} eval has {fig.requests} records, the gate needs {th.min_records} (gate.evalSamples)"
+            )
     if cand.accept_rate < stab.accept_rate - th.accept_rate_margin:
-        reasons.append(f"accept rate {cand.accept_rate:.3f} < stable {stab.accept_rate:.3f} - margin "
-                       f"{th.accept_rate_margin}")
+        reasons.append(
+            f"accept rate {cand.accept_rate:.3f} < stable {stab.accept_rate:.3f} - margin {th.accept_rate_margin}"
+        )
     if cand.accepted_per_100 < stab.accepted_per_100 - th.accepted_per_100_margin:
-        reasons.append(f"accepted per 100 requests {cand.accepted_per_100:.2f} < stable {stab.accepted_per_100:.2f} "
-                       f"- margin {th.accepted_per_100_margin}")
+        reasons.append(
+            f"accepted per 100 requests {cand.accepted_per_100:.2f} < stable {stab.accepted_per_100:.2f} "
+            f"- margin {th.accepted_per_100_margin}"
+        )
     if cand.empty_rate > th.max_empty_rate and cand.empty_rate > stab.empty_rate:
         reasons.append(f"empty rate {cand.empty_rate:.3f} > max {th.max_empty_rate} (stable {stab.empty_rate:.3f})")
     if cand.repetition_rate > th.max_repetition_rate and cand.repetition_rate > stab.repetition_rate:
-        reasons.append(f"repetition rate {cand.repetition_rate:.3f} > max {th.max_repetition_rate} "
-                       f"(stable {stab.repetition_rate:.3f})")
+        reasons.append(
+            f"repetition rate {cand.repetition_rate:.3f} > max {th.max_repetition_rate} "
+            f"(stable {stab.repetition_rate:.3f})"
+        )
     if stab.mean_length > 0 and cand.shown:
         ratio = cand.mean_length / stab.mean_length
         if ratio > th.max_length_ratio:
-            reasons.append(f"mean length {cand.mean_length:.0f} chars is {ratio:.1f}x stable's, "
-                           f"max {th.max_length_ratio}x")
+            reasons.append(
+                f"mean length {cand.mean_length:.0f} chars is {ratio:.1f}x stable's, max {th.max_length_ratio}x"
+            )
         if ratio < th.min_length_ratio:
-            reasons.append(f"mean length {cand.mean_length:.0f} chars is {ratio:.2f}x stable's, "
-                           f"min {th.min_length_ratio}x")
+            reasons.append(
+                f"mean length {cand.mean_length:.0f} chars is {ratio:.2f}x stable's, min {th.min_length_ratio}x"
+            )
     return GateResult(not reasons, tuple(reasons), cand, stab)

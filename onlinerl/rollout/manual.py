@@ -27,8 +27,10 @@ def _servable(store: RolloutStore, version: int) -> None:
         return
     loaded = sorted(v for v, s in store.versions().items() if s.state == "loaded")
     if version not in loaded:
-        raise CommandError(f"version {version} is not loaded in serving (loaded: {[0, *loaded]}); "
-                           "wait for the reloader or pass --force")
+        raise CommandError(
+            f"version {version} is not loaded in serving (loaded: {[0, *loaded]}); "
+            "wait for the reloader or pass --force"
+        )
 
 
 def _retry(store: RolloutStore, act) -> DecisionRecord:
@@ -48,8 +50,10 @@ def pin(store: RolloutStore, version: int | None, *, actor: str = "cli", force: 
     def act(table: PolicyTable) -> tuple[DecisionRecord, dict[str, Any]]:
         kind = "pin" if version is not None else "unpin"
         reason = f"pinned to v{version}" if version is not None else f"unpinned (was v{table.pinned})"
-        return (DecisionRecord(decision=kind, version=version, stable=table.stable, reason=reason, actor=actor),
-                {"policy": {"pinned": version}})
+        return (
+            DecisionRecord(decision=kind, version=version, stable=table.stable, reason=reason, actor=actor),
+            {"policy": {"pinned": version}},
+        )
 
     return _retry(store, act)
 
@@ -59,9 +63,16 @@ def set_paused(store: RolloutStore, paused: bool, *, actor: str = "cli") -> Deci
 
     def act(table: PolicyTable) -> tuple[DecisionRecord, dict[str, Any]]:
         kind = "pause" if paused else "resume"
-        return (DecisionRecord(decision=kind, version=table.candidate, stable=table.stable, actor=actor,
-                               reason="promotion paused" if paused else "promotion resumed"),
-                {"policy": {"paused": paused}})
+        return (
+            DecisionRecord(
+                decision=kind,
+                version=table.candidate,
+                stable=table.stable,
+                actor=actor,
+                reason="promotion paused" if paused else "promotion resumed",
+            ),
+            {"policy": {"paused": paused}},
+        )
 
     return _retry(store, act)
 
@@ -77,8 +88,9 @@ def previous_stable(store: RolloutStore, table: PolicyTable) -> int:
     return max(below, default=0)
 
 
-def rollback(store: RolloutStore, to_version: int | None = None, *, actor: str = "cli",
-             force: bool = False) -> DecisionRecord:
+def rollback(
+    store: RolloutStore, to_version: int | None = None, *, actor: str = "cli", force: bool = False
+) -> DecisionRecord:
     """Roll back: with a candidate and no target, end the canary; otherwise make ``to_version`` (default: the
     previous stable) stable. Versions rolled back from are marked ``rolled_back`` so they are never proposed again.
     """
@@ -94,12 +106,21 @@ def rollback(store: RolloutStore, to_version: int | None = None, *, actor: str =
         victims = [v for v in dict.fromkeys((table.candidate, table.stable)) if v is not None and v != target]
         if not victims:
             raise CommandError(f"v{target} is already stable and no candidate is running: nothing to roll back")
-        states = [(store.state(v) or RolloutState(version=v, state="rolled_back")).model_copy(
-            update={"state": "rolled_back", "decided_at": now, "reason": f"manual rollback by {actor}"})
-            for v in victims]
-        rec = DecisionRecord(decision="rollback", version=target, stable=table.stable, actor=actor, at=now,
-                             reason=f"manual rollback: {', '.join(f'v{v}' for v in victims)} rolled back, "
-                                    f"v{target} serves", figures={"rolled_back": victims, "candidate": table.candidate})
+        states = [
+            (store.state(v) or RolloutState(version=v, state="rolled_back")).model_copy(
+                update={"state": "rolled_back", "decided_at": now, "reason": f"manual rollback by {actor}"}
+            )
+            for v in victims
+        ]
+        rec = DecisionRecord(
+            decision="rollback",
+            version=target,
+            stable=table.stable,
+            actor=actor,
+            at=now,
+            reason=f"manual rollback: {', '.join(f'v{v}' for v in victims)} rolled back, v{target} serves",
+            figures={"rolled_back": victims, "candidate": table.candidate},
+        )
         return rec, {"policy": {"stable": target, "candidate": None, "canary_share": 0.0}, "states": states}
 
     return _retry(store, act)

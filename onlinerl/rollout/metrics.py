@@ -12,18 +12,26 @@ class RolloutMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.decisions = Counter("onlinerl_rollout_decisions_total", "Rollout decisions taken",
-                                 ["decision"], registry=self.registry)
+        self.decisions = Counter(
+            "onlinerl_rollout_decisions_total", "Rollout decisions taken", ["decision"], registry=self.registry
+        )
         for kind in DECISION_KINDS:  # export zeros, so alerts on rate() see the series from the start
             self.decisions.labels(kind)
-        self.win_probability = Gauge("onlinerl_rollout_candidate_win_probability",
-                                     "P(candidate accept rate >= stable accept rate) of the current canary",
-                                     registry=self.registry)
-        self.accept_rate = Gauge("onlinerl_rollout_accept_rate", "Accept rate per arm of the current canary",
-                                 ["version", "arm"], registry=self.registry)
+        self.win_probability = Gauge(
+            "onlinerl_rollout_candidate_win_probability",
+            "P(candidate accept rate >= stable accept rate) of the current canary",
+            registry=self.registry,
+        )
+        self.accept_rate = Gauge(
+            "onlinerl_rollout_accept_rate",
+            "Accept rate per arm of the current canary",
+            ["version", "arm"],
+            registry=self.registry,
+        )
 
-    def observe_canary(self, candidate: int, stable: int, p_win: float, candidate_rate: float,
-                       stable_rate: float) -> None:
+    def observe_canary(
+        self, candidate: int, stable: int, p_win: float, candidate_rate: float, stable_rate: float
+    ) -> None:
         self.win_probability.set(p_win)
         self.accept_rate.clear()  # drop series of versions no longer in the canary
         self.accept_rate.labels(str(candidate), "candidate").set(candidate_rate)

@@ -13,8 +13,9 @@ from pydantic import Field
 
 from onlinerl.schemas import _Record
 
-DecisionKind = Literal["gate_pass", "gate_fail", "promote", "rollback", "hold", "pin", "unpin", "pause", "resume",
-                       "supersede"]
+DecisionKind = Literal[
+    "gate_pass", "gate_fail", "promote", "rollback", "hold", "pin", "unpin", "pause", "resume", "supersede"
+]
 VersionVerdict = Literal["canary", "gate_failed", "promoted", "rolled_back", "superseded"]
 
 

@@ -98,16 +98,25 @@ class RolloutStore:
         return [(_s(i), DecisionRecord.from_json(f[b"data"])) for i, f in entries]
 
     # --- the one write path ----------------------------------------------------------------------------------------
-    def apply(self, decision: DecisionRecord, *, expect_stable: int | str = ANY,
-              expect_candidate: int | str | None = ANY, policy: dict[str, Any] | None = None,
-              states: Iterable[RolloutState] = (), snapshot_stable: int | None = None) -> str | None:
+    def apply(
+        self,
+        decision: DecisionRecord,
+        *,
+        expect_stable: int | str = ANY,
+        expect_candidate: int | str | None = ANY,
+        policy: dict[str, Any] | None = None,
+        states: Iterable[RolloutState] = (),
+        snapshot_stable: int | None = None,
+    ) -> str | None:
         """Apply atomically; returns the decision's stream id, or None when the policy table changed meanwhile.
 
         ``snapshot_stable``: copy ``stats:v{N}:stable`` into the first state's ``baseline`` inside the script, so the
         canary's stable counts start exactly when the candidate starts receiving traffic.
         """
-        updates = {k: ("" if v is None else ("1" if v is True else "0" if v is False else str(v)))
-                   for k, v in (policy or {}).items()}
+        updates = {
+            k: ("" if v is None else ("1" if v is True else "0" if v is False else str(v)))
+            for k, v in (policy or {}).items()
+        }
         if updates:
             updates["updated_at"] = repr(time.time())
         states = list(states)
@@ -116,7 +125,14 @@ class RolloutStore:
         snap_key = self.keys.stats(snapshot_stable, "stable") if snapshot_stable is not None else self.keys.policy
         result = self._apply(
             keys=[self.keys.policy, self.keys.rollout, self.keys.decisions, snap_key],
-            args=[str(expect_stable), "" if expect_candidate is None else str(expect_candidate),
-                  orjson.dumps(updates), orjson.dumps(by_version), snap_field, decision.to_json(), DECISIONS_MAXLEN],
+            args=[
+                str(expect_stable),
+                "" if expect_candidate is None else str(expect_candidate),
+                orjson.dumps(updates),
+                orjson.dumps(by_version),
+                snap_field,
+                decision.to_json(),
+                DECISIONS_MAXLEN,
+            ],
         )
         return _s(result) if result else None

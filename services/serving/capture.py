@@ -51,14 +51,36 @@ class RolloutAccumulator:
         """One log-prob and one offset per generated token (vLLM's contract; checked, not assumed)."""
         return len(self.token_ids) == len(self.logprobs) == len(self.offsets)
 
-    def to_record(self, *, tenant: str, arm: str, version: int, served_model: str, user_hash: str, prompt: str,
-                  sampling: dict[str, Any], created_at: float, rollout_id: str | None = None) -> RolloutRecord:
+    def to_record(
+        self,
+        *,
+        tenant: str,
+        arm: str,
+        version: int,
+        served_model: str,
+        user_hash: str,
+        prompt: str,
+        sampling: dict[str, Any],
+        created_at: float,
+        rollout_id: str | None = None,
+    ) -> RolloutRecord:
         return RolloutRecord(
-            rollout_id=rollout_id or uuid.uuid4().hex, tenant=tenant, arm=arm, policy_version=version,
-            served_model=served_model, user_hash=user_hash, prompt=prompt, prompt_token_ids=self.prompt_token_ids,
-            completion=self.completion, completion_token_ids=self.token_ids, behaviour_logprobs=self.logprobs,
-            token_offsets=self.offsets, finish_reason=self.finish_reason, sampling=SamplingParams(**sampling),
-            created_at=created_at, finished_at=time.time(),
+            rollout_id=rollout_id or uuid.uuid4().hex,
+            tenant=tenant,
+            arm=arm,
+            policy_version=version,
+            served_model=served_model,
+            user_hash=user_hash,
+            prompt=prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            completion=self.completion,
+            completion_token_ids=self.token_ids,
+            behaviour_logprobs=self.logprobs,
+            token_offsets=self.offsets,
+            finish_reason=self.finish_reason,
+            sampling=SamplingParams(**sampling),
+            created_at=created_at,
+            finished_at=time.time(),
         )
 
 

@@ -56,8 +56,10 @@ def verify_checkpoint(ann: Announcement, job: str) -> CheckpointManifest:
     except ValueError as exc:
         raise CheckpointError(f"{manifest_path} is not a valid manifest: {exc}") from None
     if manifest.job != job or manifest.version != ann.version or manifest.kind != ann.kind:
-        raise CheckpointError(f"{manifest_path} says job={manifest.job} v{manifest.version} {manifest.kind}; "
-                              f"announced job={job} v{ann.version} {ann.kind}")
+        raise CheckpointError(
+            f"{manifest_path} says job={manifest.job} v{manifest.version} {manifest.kind}; "
+            f"announced job={job} v{ann.version} {ann.kind}"
+        )
     if not manifest.files:
         raise CheckpointError(f"{manifest_path} lists no files")
     problems = file_problems(root, manifest.files)

@@ -36,22 +36,39 @@ def vllm_dtype(cfg: OnlineRLConfig, cpu: bool) -> str:
     return "float32" if cpu else "auto"
 
 
-def vllm_argv(cfg: OnlineRLConfig, model_path: str | Path, *, port: int = DEFAULT_ENGINE_PORT,
-              host: str = "127.0.0.1", cpu: bool = True) -> list[str]:
+def vllm_argv(
+    cfg: OnlineRLConfig,
+    model_path: str | Path,
+    *,
+    port: int = DEFAULT_ENGINE_PORT,
+    host: str = "127.0.0.1",
+    cpu: bool = True,
+) -> list[str]:
     """The full vLLM command line for serving ``model_path`` under ``model.servedName``."""
     argv = python_module(
         VLLM_MODULE,
-        "--model", str(model_path),
-        "--served-model-name", cfg.model.served_name,
-        "--host", host,
-        "--port", str(port),
-        "--dtype", vllm_dtype(cfg, cpu),
-        "--max-model-len", str(cfg.model.max_model_len),
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        cfg.model.served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        vllm_dtype(cfg, cpu),
+        "--max-model-len",
+        str(cfg.model.max_model_len),
         "--disable-uvicorn-access-log",
     )
     if cfg.serving.weights_mode == "lora":
-        argv += ["--enable-lora", "--max-lora-rank", str(cfg.serving.lora.max_rank),
-                 "--max-loras", str(cfg.serving.lora.max_loras)]
+        argv += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(cfg.serving.lora.max_rank),
+            "--max-loras",
+            str(cfg.serving.lora.max_loras),
+        ]
     return argv + list(cfg.serving.vllm_args)
 
 
@@ -72,8 +89,15 @@ def vllm_env(cfg: OnlineRLConfig, *, cpu: bool = True, kv_cache_gib: int = 1) ->
     return env
 
 
-def start_vllm(cfg: OnlineRLConfig, model_path: str | Path, log_path: Path, *, port: int = DEFAULT_ENGINE_PORT,
-               wait_timeout: float | None = 240.0, extra_env: Mapping[str, str] | None = None) -> Child:
+def start_vllm(
+    cfg: OnlineRLConfig,
+    model_path: str | Path,
+    log_path: Path,
+    *,
+    port: int = DEFAULT_ENGINE_PORT,
+    wait_timeout: float | None = 240.0,
+    extra_env: Mapping[str, str] | None = None,
+) -> Child:
     """Start vLLM and (unless ``wait_timeout`` is None) wait until ``/v1/models`` answers; the caller stops it."""
     cpu = on_cpu()
     env = vllm_env(cfg, cpu=cpu)

@@ -21,8 +21,13 @@ class EngineAdmin:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 
-    async def _post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, str] | None = None,
-                    timeout: float | None = None) -> httpx.Response:
+    async def _post(
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
         try:
             kwargs: dict[str, Any] = {"params": params}
             if timeout is not None:
@@ -56,8 +61,9 @@ class EngineAdmin:
 
     async def warm_up(self, model: str) -> None:
         """One short greedy completion: the version must answer before any user is routed to it."""
-        resp = await self._post("/v1/completions", {"model": model, "prompt": WARMUP_PROMPT, "max_tokens": 2,
-                                                    "temperature": 0.0})
+        resp = await self._post(
+            "/v1/completions", {"model": model, "prompt": WARMUP_PROMPT, "max_tokens": 2, "temperature": 0.0}
+        )
         if resp.status_code != 200:
             raise EngineError(f"warm-up of {model}: HTTP {resp.status_code}: {resp.text[:500]}")
 
@@ -67,8 +73,11 @@ class EngineAdmin:
         if resp.status_code != 200:
             raise EngineError(f"pause: HTTP {resp.status_code}: {resp.text[:500]}")
         try:
-            resp = await self._post("/collective_rpc", {"method": "reload_weights",
-                                                        "kwargs": {"weights_path": weights_path}}, timeout=timeout)
+            resp = await self._post(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": weights_path}},
+                timeout=timeout,
+            )
             if resp.status_code != 200:
                 raise EngineError(f"reload_weights from {weights_path}: HTTP {resp.status_code}: {resp.text[:500]}")
         finally:

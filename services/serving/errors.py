@@ -9,8 +9,16 @@ from starlette.responses import Response
 class ApiError(Exception):
     """A request we answer with an error status; ``message`` tells the client what to fix."""
 
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -35,8 +43,12 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 
 def unauthorized() -> ApiError:
-    return ApiError(401, "missing or unknown API key: send `Authorization: Bearer <key>` (or `api-key: <key>`)",
-                    type_="authentication_error", code="invalid_api_key")
+    return ApiError(
+        401,
+        "missing or unknown API key: send `Authorization: Bearer <key>` (or `api-key: <key>`)",
+        type_="authentication_error",
+        code="invalid_api_key",
+    )
 
 
 def unavailable(message: str, retry_after: int) -> ApiError:

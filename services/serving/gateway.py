@@ -66,8 +66,9 @@ def _forced_version(scope: Scope) -> int | None:
     if raw is None:
         return None
     if not raw.strip().isdigit():
-        raise ApiError(400, f"X-OnlineRL-Version must be a non-negative integer, got {raw!r}",
-                       param="X-OnlineRL-Version")
+        raise ApiError(
+            400, f"X-OnlineRL-Version must be a non-negative integer, got {raw!r}", param="X-OnlineRL-Version"
+        )
     return int(raw)
 
 
@@ -79,8 +80,9 @@ def api_key_of(scope: Scope) -> str | None:
 class Gateway:
     """Everything one gateway process holds: config, key ring, clients, cached state, metrics, in-flight counts."""
 
-    def __init__(self, cfg: OnlineRLConfig, keyring: KeyRing, redis: Any, pool: EnginePool,
-                 metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self, cfg: OnlineRLConfig, keyring: KeyRing, redis: Any, pool: EnginePool, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.cfg = cfg
         self.keyring = keyring
         self.redis = redis
@@ -89,8 +91,14 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.limits = Limits(cfg.serving.max_prompt_chars, cfg.serving.max_tokens_cap, cfg.model.max_model_len)
         self.max_body = cfg.serving.max_prompt_chars * 4 + 64 * 1024  # UTF-8 worst case plus the other fields
-        self.state = ServingState(redis=redis, keys=self.keys, engine=pool, job=cfg.job,
-                                  base_name=cfg.model.served_name, weights_mode=cfg.serving.weights_mode)
+        self.state = ServingState(
+            redis=redis,
+            keys=self.keys,
+            engine=pool,
+            job=cfg.job,
+            base_name=cfg.model.served_name,
+            weights_mode=cfg.serving.weights_mode,
+        )
         self.inflight: Tally[str] = Tally()
         self.rollouts = RolloutStore(redis, self.keys, cfg.redis.rollout_ttl_seconds)
 
@@ -115,9 +123,13 @@ class Gateway:
             else {0, *self.state.loaded_versions()}
         )
         if version not in available:
-            raise ApiError(409, f"policy version {version} is not loaded in this replica (loaded: "
-                           f"{sorted(available)}); drop the X-OnlineRL-Version header to be routed",
-                           code="version_not_loaded", param="X-OnlineRL-Version")
+            raise ApiError(
+                409,
+                f"policy version {version} is not loaded in this replica (loaded: "
+                f"{sorted(available)}); drop the X-OnlineRL-Version header to be routed",
+                code="version_not_loaded",
+                param="X-OnlineRL-Version",
+            )
         return PolicyRoute("eval", version, version)
 
     # --- ASGI entry for POST /v1/completions --------------------------------------------------------------------
@@ -133,8 +145,9 @@ class Gateway:
                 raise unauthorized()
             req = parse_completion_request(await self._read_body(scope, receive), self.limits)
             if not self.state.redis_up:
-                raise unavailable("the rollout store (Redis) is unavailable; retry shortly",
-                                  self.cfg.serving.retry_after_seconds)
+                raise unavailable(
+                    "the rollout store (Redis) is unavailable; retry shortly", self.cfg.serving.retry_after_seconds
+                )
             uhash = user_hash(token or "", _header(scope, UNIQUE_ID_HEADER) or req.user)
             forced = _forced_version(scope)
             code, arm, version = await self._complete(scope, receive, send, req, tenant, uhash, t0, forced)
@@ -154,8 +167,12 @@ class Gateway:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                raise ApiError(413, f"request body over {self.max_body} bytes (serving.maxPromptChars="
-                               f"{self.cfg.serving.max_prompt_chars})", code="body_too_large")
+                raise ApiError(
+                    413,
+                    f"request body over {self.max_body} bytes (serving.maxPromptChars="
+                    f"{self.cfg.serving.max_prompt_chars})",
+                    code="body_too_large",
+                )
             chunks.append(chunk)
             if not msg.get("more_body"):
                 return b"".join(chunks)
@@ -165,11 +182,21 @@ class Gateway:
             return await self.pool.post("/v1/completions", body)
         except EngineUnavailable as exc:
             self.state.engine_up = False
-            raise unavailable(f"the inference engine is unavailable ({exc}); retry shortly",
-                              self.cfg.serving.retry_after_seconds) from None
+            raise unavailable(
+                f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
+            ) from None
 
-    async def _complete(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest, tenant: str,
-                        uhash: str, t0: float, forced: int | None = None) -> tuple[int, str, int]:
+    async def _complete(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        req: CompletionRequest,
+        tenant: str,
+        uhash: str,
+        t0: float,
+        forced: int | None = None,
+    ) -> tuple[int, str, int]:
         created_at = time.time()
         rollout_id = uuid.uuid4().hex  # ours, known before the first byte: it goes in a response header
         for attempt in (0, 1):
@@ -191,8 +218,10 @@ class Gateway:
                     await resp.aclose()
                     if resp.status_code >= 500:  # engine failing (e.g. EngineDeadError): the client should retry
                         detail = body[:300].decode(errors="replace")
-                        raise unavailable(f"the inference engine failed (HTTP {resp.status_code}): {detail}",
-                                          self.cfg.serving.retry_after_seconds)
+                        raise unavailable(
+                            f"the inference engine failed (HTTP {resp.status_code}): {detail}",
+                            self.cfg.serving.retry_after_seconds,
+                        )
                     await _send_response(send, resp.status_code, body, {})  # vLLM's own 4xx: already OpenAI-shaped
                     return resp.status_code, r.arm, r.version
                 headers = {"x-onlinerl-policy-version": str(r.version), "x-onlinerl-arm": r.arm}
@@ -210,13 +239,25 @@ class Gateway:
     async def _record(self, ctx: _Ctx, acc: RolloutAccumulator) -> None:
         """Store the rollout record; a Redis failure costs the record (counted, logged), never the completion."""
         if not acc.consistent():
-            log.error("vLLM returned %d tokens, %d logprobs, %d offsets: record not stored", len(acc.token_ids),
-                      len(acc.logprobs), len(acc.offsets))
+            log.error(
+                "vLLM returned %d tokens, %d logprobs, %d offsets: record not stored",
+                len(acc.token_ids),
+                len(acc.logprobs),
+                len(acc.offsets),
+            )
             self.metrics.record_errors.inc()
             return
-        record = acc.to_record(tenant=ctx.tenant, arm=ctx.route.arm, version=ctx.route.version, served_model=ctx.model,
-                               user_hash=ctx.uhash, prompt=ctx.req.prompt, sampling=sampling_record(ctx.req),
-                               created_at=ctx.created_at, rollout_id=ctx.rollout_id)
+        record = acc.to_record(
+            tenant=ctx.tenant,
+            arm=ctx.route.arm,
+            version=ctx.route.version,
+            served_model=ctx.model,
+            user_hash=ctx.uhash,
+            prompt=ctx.req.prompt,
+            sampling=sampling_record(ctx.req),
+            created_at=ctx.created_at,
+            rollout_id=ctx.rollout_id,
+        )
         try:
             await self.rollouts.store(record)
             self.metrics.recorded.labels(str(ctx.route.version), ctx.route.arm).inc()
@@ -228,8 +269,9 @@ class Gateway:
         try:
             raw = await resp.read()
         except EngineUnavailable as exc:
-            raise unavailable(f"the inference engine failed mid-request ({exc})",
-                              self.cfg.serving.retry_after_seconds) from None
+            raise unavailable(
+                f"the inference engine failed mid-request ({exc})", self.cfg.serving.retry_after_seconds
+            ) from None
         finally:
             await resp.aclose()
         t = time.perf_counter()
@@ -244,8 +286,9 @@ class Gateway:
         self.metrics.duration.labels("false").observe(time.perf_counter() - ctx.t0)
         return 200
 
-    async def _relay_stream(self, resp: UpstreamResponse, ctx: _Ctx, receive: Receive, send: Send,
-                            headers: dict[str, str]) -> int:
+    async def _relay_stream(
+        self, resp: UpstreamResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
+    ) -> int:
         disconnected = asyncio.Event()
 
         async def watch_disconnect() -> None:
@@ -257,8 +300,15 @@ class Gateway:
         acc = RolloutAccumulator()
         overhead, first, done, errored = ctx.overhead, True, False, False
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": _raw_headers(
-                {**headers, "content-type": "text/event-stream", "cache-control": "no-cache"})})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": _raw_headers(
+                        {**headers, "content-type": "text/event-stream", "cache-control": "no-cache"}
+                    ),
+                }
+            )
             buf = b""
             async for data in resp.chunks():
                 if disconnected.is_set():
@@ -296,10 +346,17 @@ class Gateway:
                         self.metrics.ttft.observe(time.perf_counter() - ctx.t0)
                         first = False
             if not done:  # the engine closed the stream early (crash, restart): tell the client, record nothing
-                err = {"error": {"message": "the inference engine ended the stream early; retry",
-                                 "type": "server_error", "param": None, "code": "engine_stream_interrupted"}}
-                await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n",
-                            "more_body": True})
+                err = {
+                    "error": {
+                        "message": "the inference engine ended the stream early; retry",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "engine_stream_interrupted",
+                    }
+                }
+                await send(
+                    {"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n", "more_body": True}
+                )
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.metrics.overhead.observe(overhead)
             self.metrics.duration.labels("true").observe(time.perf_counter() - ctx.t0)
@@ -319,8 +376,18 @@ class _Ctx:
 
     __slots__ = ("created_at", "model", "overhead", "req", "rollout_id", "route", "t0", "tenant", "uhash")
 
-    def __init__(self, req: CompletionRequest, tenant: str, uhash: str, route: PolicyRoute, model: str,
-                 rollout_id: str, created_at: float, t0: float, overhead: float) -> None:
+    def __init__(
+        self,
+        req: CompletionRequest,
+        tenant: str,
+        uhash: str,
+        route: PolicyRoute,
+        model: str,
+        rollout_id: str,
+        created_at: float,
+        t0: float,
+        overhead: float,
+    ) -> None:
         self.req, self.tenant, self.uhash, self.route, self.model = req, tenant, uhash, route, model
         self.rollout_id, self.created_at, self.t0, self.overhead = rollout_id, created_at, t0, overhead
 
@@ -353,10 +420,17 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette
             keyring = KeyRing([], allow_anonymous=True)
         else:
             raise ValueError("auth.apiKeysFile is required (or set auth.allowAnonymous: true for a local demo)")
-    redis = aioredis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds,
-                              socket_timeout=max(2.0, cfg.redis.connect_timeout_seconds), health_check_interval=10)
-    pool = EnginePool.from_url(cfg.serving.engine_url, connect_timeout=cfg.serving.engine_connect_timeout_seconds,
-                               read_timeout=cfg.serving.request_timeout_seconds)
+    redis = aioredis.from_url(
+        cfg.redis.url,
+        socket_connect_timeout=cfg.redis.connect_timeout_seconds,
+        socket_timeout=max(2.0, cfg.redis.connect_timeout_seconds),
+        health_check_interval=10,
+    )
+    pool = EnginePool.from_url(
+        cfg.serving.engine_url,
+        connect_timeout=cfg.serving.engine_connect_timeout_seconds,
+        read_timeout=cfg.serving.request_timeout_seconds,
+    )
     gw = Gateway(cfg, keyring, redis, pool)
 
     async def models(request: Request) -> Response:
@@ -370,8 +444,12 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette
 
     async def readyz(request: Request) -> Response:
         ok = gw.state.engine_up and gw.state.redis_up
-        body = {"ready": ok, "engine": gw.state.engine_up, "redis": gw.state.redis_up,
-                "loaded_versions": sorted(gw.state.loaded_versions())}
+        body = {
+            "ready": ok,
+            "engine": gw.state.engine_up,
+            "redis": gw.state.redis_up,
+            "loaded_versions": sorted(gw.state.loaded_versions()),
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
@@ -398,11 +476,17 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette
             pool.close()
             await redis.aclose()
 
-    app = Starlette(routes=[
-        Route("/v1/completions", gw, methods=["POST"]),
-        Route("/v1/models", models), Route("/healthz", healthz), Route("/readyz", readyz),
-        Route("/metrics", metrics), Route("/internal/inflight", inflight),
-    ], lifespan=lifespan)
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", gw, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Route("/metrics", metrics),
+            Route("/internal/inflight", inflight),
+        ],
+        lifespan=lifespan,
+    )
     app.state.gateway = gw
     return app
 
@@ -412,8 +496,16 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cfg = load_config()
-    uvicorn.run(create_app(cfg), host=cfg.serving.host, port=cfg.serving.port, log_level="warning",
-                access_log=False, lifespan="on", loop="uvloop", http="httptools")
+    uvicorn.run(
+        create_app(cfg),
+        host=cfg.serving.host,
+        port=cfg.serving.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        loop="uvloop",
+        http="httptools",
+    )
 
 
 if __name__ == "__main__":

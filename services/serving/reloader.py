@@ -70,8 +70,15 @@ class ReloaderOptions:
 
 
 class Reloader:
-    def __init__(self, cfg: OnlineRLConfig, redis: Any, engine: httpx.AsyncClient, gateway: httpx.AsyncClient,
-                 metrics: ReloaderMetrics | None = None, options: ReloaderOptions | None = None) -> None:
+    def __init__(
+        self,
+        cfg: OnlineRLConfig,
+        redis: Any,
+        engine: httpx.AsyncClient,
+        gateway: httpx.AsyncClient,
+        metrics: ReloaderMetrics | None = None,
+        options: ReloaderOptions | None = None,
+    ) -> None:
         self.cfg = cfg
         self.redis = redis
         self.admin = EngineAdmin(engine)
@@ -123,9 +130,12 @@ class Reloader:
         good = sorted(v for v, s in self.versions.items() if s.state != "failed")
         if self.full:
             return good[-1:]
-        keep = set(good[-self.cfg.serving.keep_versions:])
-        keep |= {v for v in (table.stable, table.candidate, table.pinned) if v and v in self.versions
-                 and self.versions[v].state != "failed"}
+        keep = set(good[-self.cfg.serving.keep_versions :])
+        keep |= {
+            v
+            for v in (table.stable, table.candidate, table.pinned)
+            if v and v in self.versions and self.versions[v].state != "failed"
+        }
         return sorted(keep)
 
     # --- reconcile ------------------------------------------------------------------------------------------------
@@ -258,8 +268,14 @@ class Reloader:
 
     async def _save_state(self, v: int) -> None:
         s = self.versions[v]
-        record = PolicyVersionState(version=v, state=s.state, path=s.ann.path, served_model=self.model_name(v),
-                                    failures=s.failures, error=s.error[:2000])
+        record = PolicyVersionState(
+            version=v,
+            state=s.state,
+            path=s.ann.path,
+            served_model=self.model_name(v),
+            failures=s.failures,
+            error=s.error[:2000],
+        )
         await self.redis.hset(self.keys.versions, str(v), record.to_json())
 
     # --- main loop ------------------------------------------------------------------------------------------------
@@ -289,8 +305,9 @@ def create_app(cfg: OnlineRLConfig, options: ReloaderOptions | None = None) -> S
     if not cfg.redis.url:
         raise ValueError("redis.url is required for the reloader")
     redis = aioredis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds)
-    engine = httpx.AsyncClient(base_url=cfg.serving.engine_url,
-                               timeout=httpx.Timeout(60.0, connect=cfg.serving.engine_connect_timeout_seconds))
+    engine = httpx.AsyncClient(
+        base_url=cfg.serving.engine_url, timeout=httpx.Timeout(60.0, connect=cfg.serving.engine_connect_timeout_seconds)
+    )
     gateway = httpx.AsyncClient(base_url=f"http://127.0.0.1:{cfg.serving.port}", timeout=2.0)
     reloader = Reloader(cfg, redis, engine, gateway, options=options)
 
@@ -300,8 +317,12 @@ def create_app(cfg: OnlineRLConfig, options: ReloaderOptions | None = None) -> S
     async def healthz(request: Request) -> Response:
         age = time.time() - reloader.last_tick if reloader.last_tick else None
         ok = task is not None and not task.done()
-        body = {"ok": ok, "last_tick_age_s": age, "restarts_detected": reloader.restarts_detected,
-                "versions": {v: s.state for v, s in sorted(reloader.versions.items())}}
+        body = {
+            "ok": ok,
+            "last_tick_age_s": age,
+            "restarts_detected": reloader.restarts_detected,
+            "versions": {v: s.state for v, s in sorted(reloader.versions.items())},
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     task: asyncio.Task | None = None

@@ -64,12 +64,18 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise bad_request("`prompt` is required and must be a string (one prompt per request)", param="prompt",
-                          code="missing_required_parameter" if prompt is None else "invalid_type")
+        raise bad_request(
+            "`prompt` is required and must be a string (one prompt per request)",
+            param="prompt",
+            code="missing_required_parameter" if prompt is None else "invalid_type",
+        )
     if len(prompt) > limits.max_prompt_chars:
-        raise bad_request(f"prompt is {len(prompt)} characters, over the cap serving.maxPromptChars="
-                          f"{limits.max_prompt_chars}: send a shorter prompt (e.g. lower Continue's maxPromptTokens)",
-                          param="prompt", code="prompt_too_long")
+        raise bad_request(
+            f"prompt is {len(prompt)} characters, over the cap serving.maxPromptChars="
+            f"{limits.max_prompt_chars}: send a shorter prompt (e.g. lower Continue's maxPromptTokens)",
+            param="prompt",
+            code="prompt_too_long",
+        )
 
     max_tokens = body.get("max_tokens", limits.max_tokens_cap)
     if max_tokens is None:
@@ -77,8 +83,11 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise bad_request("`max_tokens` must be a positive integer", param="max_tokens", code="invalid_type")
     if max_tokens > limits.max_tokens_cap:
-        raise bad_request(f"max_tokens={max_tokens} is over the cap serving.maxTokensCap={limits.max_tokens_cap}",
-                          param="max_tokens", code="max_tokens_too_large")
+        raise bad_request(
+            f"max_tokens={max_tokens} is over the cap serving.maxTokensCap={limits.max_tokens_cap}",
+            param="max_tokens",
+            code="max_tokens_too_large",
+        )
 
     # A request for more than the context can hold is clamped, not refused: generation ends at the context anyway.
     max_tokens = min(max_tokens, limits.max_model_len)
@@ -117,12 +126,14 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
     if body.get("echo"):
         raise bad_request("`echo: true` is not supported", param="echo")
     if body.get("suffix"):
-        raise bad_request("`suffix` is not supported: render the FIM prompt into `prompt` (as Continue does)",
-                          param="suffix")
+        raise bad_request(
+            "`suffix` is not supported: render the FIM prompt into `prompt` (as Continue does)", param="suffix"
+        )
 
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
-                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+    if logprobs is not None and (
+        not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_LOGPROBS
+    ):
         raise bad_request(f"`logprobs` must be an integer from 0 to {MAX_LOGPROBS}", param="logprobs")
 
     stream_options = body.get("stream_options") or {}
@@ -134,9 +145,15 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
     model = body.get("model") or ""
 
     return CompletionRequest(
-        prompt=prompt, max_tokens=max_tokens, stream=stream, stop=stop, sampling=sampling,
-        client_logprobs=logprobs, include_usage=bool(stream and stream_options.get("include_usage")),
-        client_token_ids=body.get("return_token_ids") is True, user=user,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=stream,
+        stop=stop,
+        sampling=sampling,
+        client_logprobs=logprobs,
+        include_usage=bool(stream and stream_options.get("include_usage")),
+        client_token_ids=body.get("return_token_ids") is True,
+        user=user,
         requested_model=model if isinstance(model, str) else "",
     )
 
@@ -160,8 +177,12 @@ def upstream_body(req: CompletionRequest, served_model: str) -> bytes:
 
 def sampling_record(req: CompletionRequest) -> dict[str, Any]:
     """The ``sampling`` part of the rollout record."""
-    return {"temperature": req.sampling.get("temperature"), "top_p": req.sampling.get("top_p"),
-            "max_tokens": req.max_tokens, "stop": list(req.stop)}
+    return {
+        "temperature": req.sampling.get("temperature"),
+        "top_p": req.sampling.get("top_p"),
+        "max_tokens": req.max_tokens,
+        "stop": list(req.stop),
+    }
 
 
 __all__ = ["ApiError", "CompletionRequest", "Limits", "parse_completion_request", "sampling_record", "upstream_body"]

@@ -70,6 +70,6 @@ def version_of_model(job: str, base_name: str, model: str) -> int | None:
     if model == base_name:
         return 0
     prefix = f"{job}-v"
-    if model.startswith(prefix) and model[len(prefix):].isdigit():
-        return int(model[len(prefix):])
+    if model.startswith(prefix) and model[len(prefix) :].isdigit():
+        return int(model[len(prefix) :])
     return None

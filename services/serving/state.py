@@ -25,8 +25,18 @@ log = logging.getLogger("onlinerl.gateway")
 
 
 class ServingState:
-    def __init__(self, *, redis: Any, keys: Keys, engine: EnginePool, job: str, base_name: str,
-                 weights_mode: str = "lora", policy_interval: float = 0.5, models_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        redis: Any,
+        keys: Keys,
+        engine: EnginePool,
+        job: str,
+        base_name: str,
+        weights_mode: str = "lora",
+        policy_interval: float = 0.5,
+        models_interval: float = 1.0,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.engine = engine
@@ -87,8 +97,10 @@ class ServingState:
 
     async def start(self) -> None:
         await asyncio.gather(self.refresh_policy(), self.refresh_models())
-        self._tasks = [asyncio.create_task(self._loop(self.refresh_policy, self.policy_interval)),
-                       asyncio.create_task(self._loop(self.refresh_models, self.models_interval))]
+        self._tasks = [
+            asyncio.create_task(self._loop(self.refresh_policy, self.policy_interval)),
+            asyncio.create_task(self._loop(self.refresh_models, self.models_interval)),
+        ]
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -128,8 +128,9 @@ class UpstreamResponse:
 class EnginePool:
     """Keep-alive connections to one ``host:port``."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float, read_timeout: float,
-                 max_idle: int = 128) -> None:
+    def __init__(
+        self, host: str, port: int, *, connect_timeout: float, read_timeout: float, max_idle: int = 128
+    ) -> None:
         self.host, self.port = host, port
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.max_idle = max_idle
@@ -147,11 +148,13 @@ class EnginePool:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(_Connection, self.host, self.port),
-                                             self.connect_timeout)
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(_Connection, self.host, self.port), self.connect_timeout
+            )
         except (OSError, TimeoutError) as exc:
-            raise EngineUnavailable(f"cannot connect to the engine at {self.host}:{self.port}: "
-                                    f"{type(exc).__name__} {exc}") from None
+            raise EngineUnavailable(
+                f"cannot connect to the engine at {self.host}:{self.port}: {type(exc).__name__} {exc}"
+            ) from None
         return conn
 
     def _take_idle(self) -> _Connection | None:
@@ -185,8 +188,10 @@ class EnginePool:
 
     async def request(self, method: str, path: str, body: bytes) -> UpstreamResponse:
         """Send the request and wait for the status line and headers."""
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode("latin-1")
         for attempt in (0, 1):
             conn = self._take_idle()
             reused = conn is not None

@@ -29,8 +29,10 @@ def main() -> int:
     try:
         cfg = load_config()
         if not cfg.redis.url:
-            raise ConfigError("redis.url is empty: the trainer needs the Redis that holds the samples stream "
-                              "(set ONLINERL__REDIS__URL or redis.url)")
+            raise ConfigError(
+                "redis.url is empty: the trainer needs the Redis that holds the samples stream "
+                "(set ONLINERL__REDIS__URL or redis.url)"
+            )
         model_path = resolve_model_path(cfg.model.path)
     except (ConfigError, ModelError) as exc:
         print(f"onlinerl-trainer: error: {exc}", file=sys.stderr)
@@ -42,14 +44,25 @@ def main() -> int:
         signal.signal(sig, lambda *_: stop.set())
     metrics = TrainerMetrics()
     server = MetricsServer(metrics, "0.0.0.0", cfg.trainer.metrics_port).start()
-    client = redis.Redis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds,
-                                  health_check_interval=30)
+    client = redis.Redis.from_url(
+        cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds, health_check_interval=30
+    )
     try:
-        trainer = Trainer(cfg, client, model_path, metrics=metrics,
-                          consumer=os.environ.get("ONLINERL_TRAINER_CONSUMER", DEFAULT_CONSUMER),
-                          claim_idle_ms=int(float(os.environ.get("ONLINERL_TRAINER_CLAIM_IDLE_SECONDS", "60")) * 1000))
-        log.info("trainer for job %s: engine %s, %s weights, starting at v%d",
-                 cfg.job, trainer.engine.name, cfg.trainer.weights, trainer.version)
+        trainer = Trainer(
+            cfg,
+            client,
+            model_path,
+            metrics=metrics,
+            consumer=os.environ.get("ONLINERL_TRAINER_CONSUMER", DEFAULT_CONSUMER),
+            claim_idle_ms=int(float(os.environ.get("ONLINERL_TRAINER_CLAIM_IDLE_SECONDS", "60")) * 1000),
+        )
+        log.info(
+            "trainer for job %s: engine %s, %s weights, starting at v%d",
+            cfg.job,
+            trainer.engine.name,
+            cfg.trainer.weights,
+            trainer.version,
+        )
         trainer.start()
         trainer.run(stop)
         trainer.close()

@@ -59,16 +59,17 @@ class Batch:
         return Batch(
             input_ids=self.input_ids[start:stop, -length:],
             attention_mask=self.attention_mask[start:stop, -length:],
-            targets=self.targets[start:stop, -(length - 1):],
-            completion_mask=self.completion_mask[start:stop, -(length - 1):],
-            behaviour_logp=self.behaviour_logp[start:stop, -(length - 1):],
+            targets=self.targets[start:stop, -(length - 1) :],
+            completion_mask=self.completion_mask[start:stop, -(length - 1) :],
+            behaviour_logp=self.behaviour_logp[start:stop, -(length - 1) :],
             rewards=self.rewards[start:stop],
             is_cap=self.is_cap[start:stop],
         )
 
 
-def fit_to_length(prompt: list[int], completion: list[int], logprobs: list[float],
-                  max_len: int) -> tuple[list[int], list[int], list[float]]:
+def fit_to_length(
+    prompt: list[int], completion: list[int], logprobs: list[float], max_len: int
+) -> tuple[list[int], list[int], list[float]]:
     """Cut a row to ``max_len`` tokens: drop the prompt's *oldest* tokens first (the code right before the cursor
     matters most), then the completion's tail. At least one prompt token stays: the first completion token needs
     a position to be predicted from."""
@@ -87,8 +88,11 @@ def collate(samples: Sequence[StreamSample], max_len: int, pad_id: int) -> Batch
         rec = s.sample
         if len(rec.behaviour_logprobs) != len(rec.completion_token_ids):
             raise ValueError(f"sample {s.sample_id}: behaviour_logprobs and completion_token_ids differ in length")
-        rows.append(fit_to_length(list(rec.prompt_token_ids), list(rec.completion_token_ids),
-                                  list(rec.behaviour_logprobs), max_len))
+        rows.append(
+            fit_to_length(
+                list(rec.prompt_token_ids), list(rec.completion_token_ids), list(rec.behaviour_logprobs), max_len
+            )
+        )
     width = max(len(p) + len(c) for p, c, _ in rows)
     b = len(rows)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -109,16 +113,19 @@ def collate(samples: Sequence[StreamSample], max_len: int, pad_id: int) -> Batch
         completion_mask=comp_mask,
         behaviour_logp=behaviour,
         rewards=torch.tensor([s.sample.reward for s in samples], dtype=torch.float32),
-        is_cap=torch.tensor([s.stale_weight_cap if s.stale_weight_cap is not None else float("inf")
-                             for s in samples], dtype=torch.float32),
+        is_cap=torch.tensor(
+            [s.stale_weight_cap if s.stale_weight_cap is not None else float("inf") for s in samples],
+            dtype=torch.float32,
+        ),
     )
 
 
 StaleAction = Literal["keep", "drop", "downweight"]
 
 
-def staleness_action(sample_version: int, current_version: int, max_versions: int,
-                     mode: Literal["drop", "truncate"]) -> StaleAction:
+def staleness_action(
+    sample_version: int, current_version: int, max_versions: int, mode: Literal["drop", "truncate"]
+) -> StaleAction:
     """Samples generated more than ``max_versions`` policy versions ago are dropped or down-weighted (config)."""
     if current_version - sample_version <= max_versions:
         return "keep"

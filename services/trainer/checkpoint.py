@@ -30,16 +30,34 @@ def stream_id_key(sample_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def render_manifest(*, job: str, version: int, parent_version: int, kind: str, base_model: str, step: int,
-                    sample_ids: Sequence[str], metrics: dict[str, float], files: dict[str, str],
-                    created_at: float | None = None) -> CheckpointManifest:
+def render_manifest(
+    *,
+    job: str,
+    version: int,
+    parent_version: int,
+    kind: str,
+    base_model: str,
+    step: int,
+    sample_ids: Sequence[str],
+    metrics: dict[str, float],
+    files: dict[str, str],
+    created_at: float | None = None,
+) -> CheckpointManifest:
     """Pure: the manifest of one version. ``sample_ids`` are the stream ids trained since the parent version."""
     ordered = sorted(set(sample_ids), key=stream_id_key)
     return CheckpointManifest(
-        job=job, version=version, parent_version=parent_version, kind=kind, base_model=base_model,
-        created_at=created_at if created_at is not None else time.time(), step=step, sample_ids=ordered,
-        sample_id_range=(ordered[0], ordered[-1]) if ordered else None, sample_count=len(ordered),
-        metrics={k: float(v) for k, v in metrics.items()}, files=files,
+        job=job,
+        version=version,
+        parent_version=parent_version,
+        kind=kind,
+        base_model=base_model,
+        created_at=created_at if created_at is not None else time.time(),
+        step=step,
+        sample_ids=ordered,
+        sample_id_range=(ordered[0], ordered[-1]) if ordered else None,
+        sample_count=len(ordered),
+        metrics={k: float(v) for k, v in metrics.items()},
+        files=files,
     )
 
 
@@ -100,8 +118,12 @@ class CheckpointStore:
         return not file_problems(self.path(version), self.manifest(version).files)
 
     # --- writing ------------------------------------------------------------------------------------------------
-    def publish(self, version: int, write_files: Callable[[Path], None],
-                manifest_for: Callable[[dict[str, str]], CheckpointManifest]) -> Path:
+    def publish(
+        self,
+        version: int,
+        write_files: Callable[[Path], None],
+        manifest_for: Callable[[dict[str, str]], CheckpointManifest],
+    ) -> Path:
         """Write a version atomically: ``write_files(tmp)``, fsync, manifest last, rename, fsync the parent."""
         final = self.path(version)
         if final.exists():

@@ -60,7 +60,8 @@ class DeepSpeedEngine:
             module = module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
         optimizer = make_adamw(trainable_parameters(module), cfg)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=deepspeed_config(cfg, on_gpu))
+            model=module, optimizer=optimizer, config=deepspeed_config(cfg, on_gpu)
+        )
         self.module = self.engine.module
         self.zero_stage = cfg.zero_stage
         self.device = self.engine.device
@@ -92,8 +93,9 @@ class DeepSpeedEngine:
         return {k: p.detach().float().cpu().clone() for k, p in params}
 
     def save_state(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False,
-                                    exclude_frozen_parameters=True)
+        self.engine.save_checkpoint(
+            str(directory), tag=CHECKPOINT_TAG, save_latest=False, exclude_frozen_parameters=True
+        )
 
     def load_state(self, directory: Path) -> None:
         self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_module_strict=False)

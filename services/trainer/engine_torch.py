@@ -16,8 +16,9 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def make_adamw(params: list[nn.Parameter], cfg: TrainerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=cfg.algorithm.learning_rate, weight_decay=cfg.algorithm.weight_decay,
-                             betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        params, lr=cfg.algorithm.learning_rate, weight_decay=cfg.algorithm.weight_decay, betas=(0.9, 0.95)
+    )
 
 
 class TorchEngine:

@@ -51,8 +51,9 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return token_logprobs_and_entropy(logits, None)[1]
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor,
-                               targets: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Both from one logsumexp: H = lse - sum_v p_v * z_v (p = softmax(z)); saves a vocabulary-wide pass."""
     logits = logits.float()  # [..., V]
     lse = torch.logsumexp(logits, dim=-1)  # [...]
@@ -64,8 +65,9 @@ def token_logprobs_and_entropy(logits: torch.Tensor,
     return logp, entropy
 
 
-def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation,
-                     normalizer: float | None = None) -> torch.Tensor:
+def masked_aggregate(
+    values: torch.Tensor, mask: torch.Tensor, mode: Aggregation, normalizer: float | None = None
+) -> torch.Tensor:
     """Reduce [B, T] per-token values to a scalar over masked tokens (see module docstring for the two modes)."""
     mask = mask.to(values.dtype)
     if mode == "token-mean":
@@ -167,7 +169,8 @@ def ppo_loss(
             "ratio_mean": float((ratio * mask).sum() / n),
             "ratio_max": float(masked_ratio.max()) if mask.sum() > 0 else 1.0,
             "ratio_min": float(torch.where(mask > 0, ratio, torch.full_like(ratio, float("inf"))).min())
-            if mask.sum() > 0 else 1.0,
+            if mask.sum() > 0
+            else 1.0,
             "tokens": float(mask.sum()),
         }
         if kl is not None:

@@ -11,9 +11,16 @@ from onlinerl.httpserve import MetricsHTTPServer
 
 # gauge name suffix -> key in the update statistics
 STAT_GAUGES = {
-    "loss": "loss", "clip_fraction": "clip_fraction", "approx_kl": "approx_kl", "ratio_mean": "ratio_mean",
-    "ratio_max": "ratio_max", "reward_mean": "reward_mean", "advantage_mean": "advantage_mean",
-    "advantage_std": "advantage_std", "entropy": "entropy", "grad_norm": "grad_norm",
+    "loss": "loss",
+    "clip_fraction": "clip_fraction",
+    "approx_kl": "approx_kl",
+    "ratio_mean": "ratio_mean",
+    "ratio_max": "ratio_max",
+    "reward_mean": "reward_mean",
+    "advantage_mean": "advantage_mean",
+    "advantage_std": "advantage_std",
+    "entropy": "entropy",
+    "grad_norm": "grad_norm",
 }
 
 
@@ -21,27 +28,43 @@ class TrainerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.gauges = {k: Gauge(f"onlinerl_trainer_{k}", f"last step's {k.replace('_', ' ')}", registry=r)
-                       for k in STAT_GAUGES}
+        self.gauges = {
+            k: Gauge(f"onlinerl_trainer_{k}", f"last step's {k.replace('_', ' ')}", registry=r) for k in STAT_GAUGES
+        }
         self.samples = Counter("onlinerl_trainer_samples", "samples trained", registry=r)
         self.tokens = Counter("onlinerl_trainer_tokens", "completion tokens trained", registry=r)
         self.steps = Counter("onlinerl_trainer_steps", "optimizer steps taken", registry=r)
         self.skipped = Counter("onlinerl_trainer_skipped_steps", "steps skipped by a guard", ["reason"], registry=r)
-        self.stale = Counter("onlinerl_trainer_stale_samples", "samples over the staleness limit", ["action"],
-                             registry=r)
-        self.invalid = Counter("onlinerl_trainer_invalid_samples", "stream entries that are not a valid sample",
-                               registry=r)
-        self.step_seconds = Histogram("onlinerl_trainer_step_duration_seconds", "wall time of one PPO update",
-                                      buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
-        self.staleness = Histogram("onlinerl_trainer_sample_staleness_versions", "policy versions behind at training",
-                                   buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.stale = Counter(
+            "onlinerl_trainer_stale_samples", "samples over the staleness limit", ["action"], registry=r
+        )
+        self.invalid = Counter(
+            "onlinerl_trainer_invalid_samples", "stream entries that are not a valid sample", registry=r
+        )
+        self.step_seconds = Histogram(
+            "onlinerl_trainer_step_duration_seconds",
+            "wall time of one PPO update",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "onlinerl_trainer_sample_staleness_versions",
+            "policy versions behind at training",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
         self.version = Gauge("onlinerl_trainer_policy_version", "latest published policy version", registry=r)
-        self.last_checkpoint = Gauge("onlinerl_trainer_last_checkpoint_timestamp_seconds",
-                                     "unix time of the last published checkpoint", registry=r)
-        self.samples_per_second = Gauge("onlinerl_trainer_samples_per_second", "last step's samples / step time",
-                                         registry=r)
-        self.tokens_per_second = Gauge("onlinerl_trainer_tokens_per_second", "last step's tokens / step time",
-                                       registry=r)
+        self.last_checkpoint = Gauge(
+            "onlinerl_trainer_last_checkpoint_timestamp_seconds",
+            "unix time of the last published checkpoint",
+            registry=r,
+        )
+        self.samples_per_second = Gauge(
+            "onlinerl_trainer_samples_per_second", "last step's samples / step time", registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "onlinerl_trainer_tokens_per_second", "last step's tokens / step time", registry=r
+        )
         for reason in ("nonfinite_loss", "nonfinite_grad", "nonfinite_weights"):
             self.skipped.labels(reason)
         for action in ("dropped", "downweighted"):

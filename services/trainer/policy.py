@@ -26,8 +26,14 @@ def load_policy(model_path: Path, cfg: TrainerConfig, dtype: torch.dtype = torch
     if cfg.weights == "lora":
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                          target_modules=list(cfg.lora.target_modules), bias="none", task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, lora)
     model.train()
     return model
@@ -81,8 +87,9 @@ def load_weights_from_checkpoint(model: nn.Module, version_dir: Path) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied embeddings are saved once
     if missing or unexpected:
-        raise RuntimeError(f"weights in {version_dir} do not fit the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"weights in {version_dir} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def save_weights(model: nn.Module, weights: dict[str, torch.Tensor], directory: Path) -> None:
@@ -99,8 +106,11 @@ def save_weights(model: nn.Module, weights: dict[str, torch.Tensor], directory: 
     from safetensors.torch import save_file
 
     adapter = get_peft_model_state_dict(model, state_dict=weights, save_embedding_layers=False)
-    save_file({k: v.contiguous() for k, v in adapter.items()}, str(directory / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in adapter.items()},
+        str(directory / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = copy.deepcopy(model.peft_config["default"])
     config.inference_mode = True
     config.save_pretrained(str(directory))

@@ -35,8 +35,9 @@ def _decode_entries(raw: Iterable) -> list[Entry]:
 
 
 class SampleStream:
-    def __init__(self, client: redis.Redis, keys: Keys, consumer: str = DEFAULT_CONSUMER,
-                 claim_idle_ms: int = 60_000) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, consumer: str = DEFAULT_CONSUMER, claim_idle_ms: int = 60_000
+    ) -> None:
         self.client = client
         self.keys = keys
         self.consumer = consumer
@@ -58,8 +59,14 @@ class SampleStream:
         claimed: set[str] = set()
         cursor = "0-0"
         while True:
-            reply = self.client.xautoclaim(self.keys.samples, SAMPLES_GROUP, self.consumer,
-                                           min_idle_time=self.claim_idle_ms, start_id=cursor, count=500)
+            reply = self.client.xautoclaim(
+                self.keys.samples,
+                SAMPLES_GROUP,
+                self.consumer,
+                min_idle_time=self.claim_idle_ms,
+                start_id=cursor,
+                count=500,
+            )
             cursor, entries = reply[0], reply[1]
             claimed.update(e.sample_id for e in _decode_entries(entries))
             if cursor in (b"0-0", "0-0"):
@@ -79,8 +86,9 @@ class SampleStream:
             last = last_raw.decode() if isinstance(last_raw, bytes) else last_raw
 
     def read_new(self, count: int, block_ms: int) -> list[Entry]:
-        reply = self.client.xreadgroup(SAMPLES_GROUP, self.consumer, {self.keys.samples: ">"}, count=count,
-                                       block=max(block_ms, 1))
+        reply = self.client.xreadgroup(
+            SAMPLES_GROUP, self.consumer, {self.keys.samples: ">"}, count=count, block=max(block_ms, 1)
+        )
         return _decode_entries(reply[0][1]) if reply else []
 
     def ack(self, sample_ids: Iterable[str]) -> int:

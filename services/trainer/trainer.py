@@ -65,9 +65,16 @@ def _pad_id(model_path: Path) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: OnlineRLConfig, client: redis.Redis, model_path: Path, *,
-                 consumer: str = DEFAULT_CONSUMER, claim_idle_ms: int = 60_000,
-                 metrics: TrainerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        cfg: OnlineRLConfig,
+        client: redis.Redis,
+        model_path: Path,
+        *,
+        consumer: str = DEFAULT_CONSUMER,
+        claim_idle_ms: int = 60_000,
+        metrics: TrainerMetrics | None = None,
+    ) -> None:
         self.cfg = cfg
         self.tcfg = cfg.trainer
         self.algo = cfg.trainer.algorithm
@@ -135,8 +142,12 @@ class Trainer:
         rest = [e for e in pending if e.sample_id not in trained]
         self.replay.extend(rest)
         rec.already_trained, rec.replayed = len(done), len(rest)
-        log.info("recovery: claimed %d, acknowledged %d already trained, replaying %d",
-                 rec.claimed, rec.already_trained, rec.replayed)
+        log.info(
+            "recovery: claimed %d, acknowledged %d already trained, replaying %d",
+            rec.claimed,
+            rec.already_trained,
+            rec.replayed,
+        )
         self._status("waiting")
         self.metrics.version.set(self.version)
         return rec
@@ -223,8 +234,9 @@ class Trainer:
                 continue
             staleness = max(0, self.version - sample.policy_version)
             self.metrics.staleness.observe(staleness)
-            action = staleness_action(sample.policy_version, self.version, self.algo.staleness.max_versions,
-                                      self.algo.staleness.mode)
+            action = staleness_action(
+                sample.policy_version, self.version, self.algo.staleness.max_versions, self.algo.staleness.mode
+            )
             if action == "drop":
                 self.metrics.stale.labels("dropped").inc()
                 discard.append(e.sample_id)
@@ -246,8 +258,13 @@ class Trainer:
         batch = collate(samples, self.tcfg.max_seq_len, self.pad_id)
         rewards = [s.sample.reward for s in samples]
         tenants = [s.sample.tenant for s in samples]
-        adv = compute_advantages(rewards, tenants, baseline=self.algo.baseline, running=self.baseline,
-                                 normalize=self.algo.normalize_advantages)
+        adv = compute_advantages(
+            rewards,
+            tenants,
+            baseline=self.algo.baseline,
+            running=self.baseline,
+            normalize=self.algo.normalize_advantages,
+        )
         adv_t = torch.tensor(adv, dtype=torch.float32)
         self._status("training")
         t0 = time.perf_counter()
@@ -265,9 +282,15 @@ class Trainer:
         self.samples_trained += len(ids)
         self.pending_ack.extend(ids)
         tokens = batch.num_tokens
-        stats = {**result.stats, "grad_norm": result.grad_norm, "reward_mean": sum(rewards) / len(rewards),
-                 "advantage_mean": float(adv_t.mean()), "advantage_std": float(adv_t.std(unbiased=False)),
-                 "step_seconds": elapsed, "samples": float(len(ids))}
+        stats = {
+            **result.stats,
+            "grad_norm": result.grad_norm,
+            "reward_mean": sum(rewards) / len(rewards),
+            "advantage_mean": float(adv_t.mean()),
+            "advantage_std": float(adv_t.std(unbiased=False)),
+            "step_seconds": elapsed,
+            "samples": float(len(ids)),
+        }
         self.last_stats = stats
         m = self.metrics
         m.record_stats(stats)
@@ -319,13 +342,25 @@ class Trainer:
             save_weights(self.engine.module, weights, tmp)
 
         def manifest_for(files: dict[str, str]):
-            return render_manifest(job=self.cfg.job, version=version, parent_version=self.version,
-                                   kind=self.tcfg.weights, base_model=str(self.model_path), step=self.step,
-                                   sample_ids=ids, metrics=metrics, files=files)
+            return render_manifest(
+                job=self.cfg.job,
+                version=version,
+                parent_version=self.version,
+                kind=self.tcfg.weights,
+                base_model=str(self.model_path),
+                step=self.step,
+                sample_ids=ids,
+                metrics=metrics,
+                files=files,
+            )
 
         self.store.publish(version, write_files, manifest_for)
-        meta = {"step": self.step, "samples_trained": self.samples_trained,
-                "baseline": self.baseline.state_dict(), "rng": random.randrange(2**31)}
+        meta = {
+            "step": self.step,
+            "samples_trained": self.samples_trained,
+            "baseline": self.baseline.state_dict(),
+            "rng": random.randrange(2**31),
+        }
         self.store.save_state(version, self.engine.save_state, meta)
         self.version = version
         self.pending_ack = []
@@ -352,9 +387,16 @@ class Trainer:
         log.info("published v%d (%d samples, step %d)", version, len(ids), self.step)
 
     def _announce(self, version: int) -> None:
-        self.client.xadd(self.keys.checkpoints, {
-            "version": str(version), "path": str(self.store.path(version).resolve()), "kind": self.tcfg.weights,
-            "manifest_sha256": self.store.manifest_sha256(version), "created_at": repr(time.time())})
+        self.client.xadd(
+            self.keys.checkpoints,
+            {
+                "version": str(version),
+                "path": str(self.store.path(version).resolve()),
+                "kind": self.tcfg.weights,
+                "manifest_sha256": self.store.manifest_sha256(version),
+                "created_at": repr(time.time()),
+            },
+        )
 
     def _last_announced(self) -> int:
         last = self.client.xrevrange(self.keys.checkpoints, count=1)
@@ -379,10 +421,17 @@ class Trainer:
 
     # --- status -----------------------------------------------------------------------------------------------------
     def _status(self, state: str) -> None:
-        self.client.hset(self.keys.trainer_status, mapping={
-            "step": str(self.step), "version": str(self.version), "samples_trained": str(self.samples_trained),
-            "state": state, "engine": self.engine.name if hasattr(self, "engine") else "",
-            "updated_at": repr(time.time())})
+        self.client.hset(
+            self.keys.trainer_status,
+            mapping={
+                "step": str(self.step),
+                "version": str(self.version),
+                "samples_trained": str(self.samples_trained),
+                "state": state,
+                "engine": self.engine.name if hasattr(self, "engine") else "",
+                "updated_at": repr(time.time()),
+            },
+        )
 
     def _open_tensorboard(self):
         if not self.tcfg.tensorboard_dir:

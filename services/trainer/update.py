@@ -37,8 +37,9 @@ class TokenLogprobs:
     entropy_estimate: float | None = None  # mean entropy over a sample of completion tokens (monitoring)
 
 
-def completion_logprobs(engine: Engine, mb: Batch, with_entropy: bool = False, entropy_grad: bool = False,
-                        module: nn.Module | None = None) -> TokenLogprobs:
+def completion_logprobs(
+    engine: Engine, mb: Batch, with_entropy: bool = False, entropy_grad: bool = False, module: nn.Module | None = None
+) -> TokenLogprobs:
     """Log-probs of a micro-batch's completion tokens (and its entropy, exact for the loss or sampled for the gauge).
 
     Only the trailing completion span goes through the vocabulary projection (left padding + ``logits_to_keep``):
@@ -47,8 +48,12 @@ def completion_logprobs(engine: Engine, mb: Batch, with_entropy: bool = False, e
     ``ENTROPY_SAMPLE_TOKENS`` completion positions (evenly spaced) unless the entropy bonus needs it everywhere.
     """
     span = max(mb.completion_span, 1)
-    kwargs = {"input_ids": mb.input_ids.to(engine.device), "attention_mask": mb.attention_mask.to(engine.device),
-              "position_ids": mb.position_ids.to(engine.device), "logits_to_keep": span + 1}
+    kwargs = {
+        "input_ids": mb.input_ids.to(engine.device),
+        "attention_mask": mb.attention_mask.to(engine.device),
+        "position_ids": mb.position_ids.to(engine.device),
+        "logits_to_keep": span + 1,
+    }
     logits = engine.forward(**kwargs) if module is None else module(**kwargs).logits  # [B, span + 1, V]
     logits = logits[:, :-1]  # [B, span, V]: the last position predicts past the end
     targets = mb.targets[:, -span:].to(logits.device)  # [B, span]
@@ -82,8 +87,14 @@ def _micro_slices(size: int, micro: int) -> list[tuple[int, int]]:
     return [(i, min(i + micro, size)) for i in range(0, size, micro)]
 
 
-def ppo_update(engine: Engine, batch: Batch, advantages: torch.Tensor, algo: AlgorithmConfig,
-               micro_batch_size: int, reference: nn.Module | None = None) -> UpdateResult:
+def ppo_update(
+    engine: Engine,
+    batch: Batch,
+    advantages: torch.Tensor,
+    algo: AlgorithmConfig,
+    micro_batch_size: int,
+    reference: nn.Module | None = None,
+) -> UpdateResult:
     """Train on ``batch`` (advantages [B]); returns token-weighted mean statistics and whether the step was skipped."""
     size = batch.input_ids.shape[0]
     slices = _micro_slices(size, micro_batch_size)
@@ -132,18 +143,30 @@ def ppo_update(engine: Engine, batch: Batch, advantages: torch.Tensor, algo: Alg
             lp = completion_logprobs(engine, mb, with_entropy=True, entropy_grad=algo.entropy_coef > 0)
             logp = lp.logp
             out = ppo_loss(
-                logp, old[i], adv[i].to(logp.device), mb.completion_mask.to(logp.device),
-                clip_eps=algo.clip_eps, dual_clip=algo.dual_clip, aggregation=algo.aggregation,
-                normalizer=normalizer, is_weight=weights[i], ref_logp=refs[i], kl_coef=algo.kl_coef,
-                entropy=lp.entropy, entropy_coef=algo.entropy_coef,
+                logp,
+                old[i],
+                adv[i].to(logp.device),
+                mb.completion_mask.to(logp.device),
+                clip_eps=algo.clip_eps,
+                dual_clip=algo.dual_clip,
+                aggregation=algo.aggregation,
+                normalizer=normalizer,
+                is_weight=weights[i],
+                ref_logp=refs[i],
+                kl_coef=algo.kl_coef,
+                entropy=lp.entropy,
+                entropy_coef=algo.entropy_coef,
             )
             if not math.isfinite(out.loss.item()):
                 # Poison the accumulated gradient so the backend's own non-finite check drops the whole step
                 # (DeepSpeed ZeRO keeps partial gradients in its own buffers; this clears them the same way).
                 engine.backward(out.loss * float("nan"), is_boundary=True)
                 engine.step()
-                return UpdateResult(stats=_finish(totals, weight_sum, ratio_max), grad_norm=float("nan"),
-                                    skipped_reason="nonfinite_loss")
+                return UpdateResult(
+                    stats=_finish(totals, weight_sum, ratio_max),
+                    grad_norm=float("nan"),
+                    skipped_reason="nonfinite_loss",
+                )
             engine.backward(out.loss, is_boundary=is_boundary)
             loss_sum += out.loss.item()
             n = out.stats["tokens"]
@@ -157,8 +180,9 @@ def ppo_update(engine: Engine, batch: Batch, advantages: torch.Tensor, algo: Alg
         grad_norm = result.grad_norm
         epoch_losses.append(loss_sum)  # micro-batch losses add up to the batch loss (shared normalizer)
         if result.skipped:
-            return UpdateResult(stats=_finish(totals, weight_sum, ratio_max), grad_norm=grad_norm,
-                                skipped_reason="nonfinite_grad")
+            return UpdateResult(
+                stats=_finish(totals, weight_sum, ratio_max), grad_norm=grad_norm, skipped_reason="nonfinite_grad"
+            )
     stats = _finish(totals, weight_sum, ratio_max)
     stats["loss"] = sum(epoch_losses) / len(epoch_losses)
     stats["tokens"] = mask_total

@@ -125,8 +125,12 @@ def test_every_hop_end_to_end(stack):
 
     # The gateway refreshes its cached policy table and model list in the background (~0.5 s): wait for it.
     served: list = []
-    wait_for(lambda: served.append(asyncio.run(next_completion())) or (served[-1].version or 0) >= 1, timeout=30,
-             interval=0.2, what="the gateway to serve v1")
+    wait_for(
+        lambda: served.append(asyncio.run(next_completion())) or (served[-1].version or 0) >= 1,
+        timeout=30,
+        interval=0.2,
+        what="the gateway to serve v1",
+    )
     res = served[-1]
     assert res.status == 200 and res.version >= 1
     assert all(s.status == 200 for s in served)  # no request failed across the switch

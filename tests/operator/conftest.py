@@ -72,10 +72,19 @@ class Cluster:
 
     async def apply_job(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         """kubectl apply of a new OnlineRLJob: the API server stamps uid, generation and creationTimestamp."""
-        body = {"apiVersion": c.API_VERSION, "kind": c.KIND,
-                "metadata": {"name": name, "namespace": NS, "uid": str(uuid.uuid4()), "generation": 1,
-                             "resourceVersion": "1", "creationTimestamp": "2026-11-20T10:00:00Z"},
-                "spec": spec}
+        body = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.KIND,
+            "metadata": {
+                "name": name,
+                "namespace": NS,
+                "uid": str(uuid.uuid4()),
+                "generation": 1,
+                "resourceVersion": "1",
+                "creationTimestamp": "2026-11-20T10:00:00Z",
+            },
+            "spec": spec,
+        }
         created = await self.kube.create(body)
         assert created is not None
         return body
@@ -101,8 +110,11 @@ class Cluster:
 
     def status_patches(self) -> list[dict[str, Any]]:
         """Every status the operator wrote to any OnlineRLJob (request bodies, in order)."""
-        return [r.data["status"] for r in self.kmock
-                if r.subresource == "status" and r.resource == CR_RESOURCE and r.data and "status" in r.data]
+        return [
+            r.data["status"]
+            for r in self.kmock
+            if r.subresource == "status" and r.resource == CR_RESOURCE and r.data and "status" in r.data
+        ]
 
     async def make_ready(self, name: str) -> None:
         for component in ("serving", "feedback"):
@@ -119,13 +131,19 @@ async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
     it did not start with, which would include kmock's own server tasks if they shared one loop.
     """
     kmock.resources[CR_RESOURCE] = kmock.ResourceInfo(
-        kind=c.KIND, singular=c.SINGULAR, namespaced=True, subresources={"status"},
-        verbs={"list", "watch", "get", "create", "patch", "delete"}, shortnames=set(c.SHORT_NAMES))
+        kind=c.KIND,
+        singular=c.SINGULAR,
+        namespaced=True,
+        subresources={"status"},
+        verbs={"list", "watch", "get", "create", "patch", "delete"},
+        shortnames=set(c.SHORT_NAMES),
+    )
     # kopf's backbone waits for these core resources in discovery before it starts any watch.
     kmock.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"list", "watch"})
     kmock.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"create"})
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"})
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"}
+    )
     url = str(kmock.url).rstrip("/")
     registry = build_registry(interval=INTERVAL)
 
@@ -142,8 +160,17 @@ async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
 
     def run() -> None:
         try:
-            asyncio.run(kopf.operator(registry=registry, settings=settings, memo=memo, namespaces=[NS],
-                                      standalone=True, stop_flag=stop, ready_flag=ready))
+            asyncio.run(
+                kopf.operator(
+                    registry=registry,
+                    settings=settings,
+                    memo=memo,
+                    namespaces=[NS],
+                    standalone=True,
+                    stop_flag=stop,
+                    ready_flag=ready,
+                )
+            )
         except BaseException as exc:  # surfaced by the fixture
             failure.append(exc)
 

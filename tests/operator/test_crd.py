@@ -39,8 +39,11 @@ def test_crd_manifest_validates_strictly(k8s: str) -> None:
 def _walk(node: dict[str, Any], path: str = "") -> list[str]:
     """Violations of the structural-schema rules the API server enforces."""
     bad = []
-    if "type" not in node and not node.get("x-kubernetes-int-or-string") and \
-            not node.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "type" not in node
+        and not node.get("x-kubernetes-int-or-string")
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         bad.append(f"{path or '<root>'}: no type")
     for forbidden in ("$ref", "anyOf", "oneOf", "allOf", "$defs", "title", "const"):
         if forbidden in node:
@@ -70,9 +73,14 @@ def test_schema_is_structural_and_covers_the_issue() -> None:
     assert crd["spec"]["scope"] == "Namespaced" and "orl" in crd["spec"]["names"]["shortNames"]
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns == {"Phase": ".status.phase", "Stable": ".status.stableVersion",
-                       "Candidate": ".status.candidateVersion", "Accept": ".status.acceptRate",
-                       "Samples": ".status.samplesTrained", "Age": ".metadata.creationTimestamp"}
+    assert columns == {
+        "Phase": ".status.phase",
+        "Stable": ".status.stableVersion",
+        "Candidate": ".status.candidateVersion",
+        "Accept": ".status.acceptRate",
+        "Samples": ".status.samplesTrained",
+        "Age": ".metadata.creationTimestamp",
+    }
     spec = schema["properties"]["spec"]["properties"]
     assert "job" not in spec  # metadata.name
     assert spec["model"]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
@@ -104,8 +112,13 @@ def test_examples_are_valid(name: str, doc: dict[str, Any]) -> None:
         return
     schema = version_schema(committed_crd())
     jsonschema.validate(doc["spec"], spec_jsonschema())
-    jsonschema.validate(doc["metadata"]["name"], {"type": "string", **{
-        k: schema["properties"]["metadata"]["properties"]["name"][k] for k in ("pattern", "maxLength")}})
+    jsonschema.validate(
+        doc["metadata"]["name"],
+        {
+            "type": "string",
+            **{k: schema["properties"]["metadata"]["properties"]["name"][k] for k in ("pattern", "maxLength")},
+        },
+    )
     parse_spec(doc["metadata"]["name"], doc["spec"])  # the cross-field rules pass too
 
 
@@ -119,38 +132,71 @@ def test_examples_cover_cpu_single_gpu_and_eight_gpus() -> None:
 
 def test_schema_rejects_what_it_should() -> None:
     schema = spec_jsonschema()
-    for bad in ({"trainer": {"zeroStage": 1}}, {"serving": {"replicas": -1}}, {"trainer": {"weights": "qlora"}},
-                {"rollout": {"canaryShare": 1.5}}, {"trainer": {"algorithm": {"clipEps": 0}}},
-                {"serving": {"replica": 2}}):
+    for bad in (
+        {"trainer": {"zeroStage": 1}},
+        {"serving": {"replicas": -1}},
+        {"trainer": {"weights": "qlora"}},
+        {"rollout": {"canaryShare": 1.5}},
+        {"trainer": {"algorithm": {"clipEps": 0}}},
+        {"serving": {"replica": 2}},
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ({"auth": {"allowAnonymous": True}, "trainer": {"weights": "full"}}, "serving.weightsMode"),
-    ({"auth": {"allowAnonymous": True}, "trainer": {"batchSize": 4, "microBatchSize": 8}}, "microBatchSize"),
-    ({}, "auth.apiKeysSecret"),
-    ({"auth": {"allowAnonymous": True}, "model": {"fimTemplate": "nope"}}, "model.fimTemplate"),
-    ({"auth": {"allowAnonymous": True}, "serving": {"replicas": "many"}}, "serving.replicas"),
-    ({"auth": {"allowAnonymous": True}, "job": "x"}, "metadata.name"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ({"auth": {"allowAnonymous": True}, "trainer": {"weights": "full"}}, "serving.weightsMode"),
+        ({"auth": {"allowAnonymous": True}, "trainer": {"batchSize": 4, "microBatchSize": 8}}, "microBatchSize"),
+        ({}, "auth.apiKeysSecret"),
+        ({"auth": {"allowAnonymous": True}, "model": {"fimTemplate": "nope"}}, "model.fimTemplate"),
+        ({"auth": {"allowAnonymous": True}, "serving": {"replicas": "many"}}, "serving.replicas"),
+        ({"auth": {"allowAnonymous": True}, "job": "x"}, "metadata.name"),
+    ],
+)
 def test_semantic_errors_name_the_field(spec: dict[str, Any], needle: str) -> None:
     with pytest.raises(SpecError, match=needle.replace(".", r"\.")):
         parse_spec("demo", spec)
 
 
-@pytest.mark.parametrize("obs", [
-    Observation(generation=1),
-    Observation(generation=3, invalid="trainer.weights must match"),
-    Observation(generation=2, serving_ready=True, feedback_ready=True, trainer_state="running", stable_version=4,
-                candidate_version=5),
-    Observation(generation=2, serving_ready=True, feedback_ready=False, trainer_state="failed",
-                trainer_message="failed 3 times", problems=["Redis not reachable"]),
-])
+@pytest.mark.parametrize(
+    "obs",
+    [
+        Observation(generation=1),
+        Observation(generation=3, invalid="trainer.weights must match"),
+        Observation(
+            generation=2,
+            serving_ready=True,
+            feedback_ready=True,
+            trainer_state="running",
+            stable_version=4,
+            candidate_version=5,
+        ),
+        Observation(
+            generation=2,
+            serving_ready=True,
+            feedback_ready=False,
+            trainer_state="failed",
+            trainer_message="failed 3 times",
+            problems=["Redis not reachable"],
+        ),
+    ],
+)
 def test_composed_status_validates_against_the_crd(obs: Observation) -> None:
-    status = compose_status({}, obs, obs.generation, {"trainerRestarts": 2, "acceptRate": 0.31, "stableVersion": 4,
-                                                      "lastCheckpointTime": "2026-11-20T10:00:00Z"},
-                            "2026-11-20T10:00:01Z")
+    status = compose_status(
+        {},
+        obs,
+        obs.generation,
+        {"trainerRestarts": 2, "acceptRate": 0.31, "stableVersion": 4, "lastCheckpointTime": "2026-11-20T10:00:00Z"},
+        "2026-11-20T10:00:01Z",
+    )
     jsonschema.validate(strip_none(status), status_jsonschema())
-    assert [c["type"] for c in status["conditions"]] == ["Ready", "ServingReady", "FeedbackReady", "TrainerRunning",
-                                                         "PolicyPromoted", "Degraded"]
+    assert [c["type"] for c in status["conditions"]] == [
+        "Ready",
+        "ServingReady",
+        "FeedbackReady",
+        "TrainerRunning",
+        "PolicyPromoted",
+        "Degraded",
+    ]

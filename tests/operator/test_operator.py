@@ -16,9 +16,16 @@ from tests.operator.helpers import status_jsonschema, strip_none
 
 pytestmark = pytest.mark.timeout(60)
 
-CHILDREN = [("ConfigMap", "config"), ("PersistentVolumeClaim", "checkpoints"), ("Deployment", "serving"),
-            ("Service", "serving"), ("Deployment", "feedback"), ("Service", "feedback"), ("Service", "trainer"),
-            ("Job", "trainer")]
+CHILDREN = [
+    ("ConfigMap", "config"),
+    ("PersistentVolumeClaim", "checkpoints"),
+    ("Deployment", "serving"),
+    ("Service", "serving"),
+    ("Deployment", "feedback"),
+    ("Service", "feedback"),
+    ("Service", "trainer"),
+    ("Job", "trainer"),
+]
 
 
 def base_spec(url: str, **sections: Any) -> dict[str, Any]:
@@ -40,9 +47,16 @@ async def test_create_makes_every_child_owned_and_reports_status(cluster: Cluste
     uid = body["metadata"]["uid"]
     for kind, suffix in CHILDREN:
         obj = await wait_until(lambda k=kind, s=suffix: cluster.obj(k, f"demo-{s}"), what=f"{kind} demo-{suffix}")
-        assert obj["metadata"]["ownerReferences"] == [{
-            "apiVersion": "onlinerl.dev/v1alpha1", "kind": "OnlineRLJob", "name": "demo", "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "onlinerl.dev/v1alpha1",
+                "kind": "OnlineRLJob",
+                "name": "demo",
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     assert cluster.obj("Ingress", "demo") is None  # ingress disabled by default
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 1, what="observedGeneration 1")
     status = cluster.status("demo")
@@ -53,8 +67,13 @@ async def test_create_makes_every_child_owned_and_reports_status(cluster: Cluste
     await cluster.make_ready("demo")
     await wait_until(lambda: cluster.status("demo").get("phase") == "Running", what="phase Running")
     assert cluster.condition("demo", "Ready") | {"lastTransitionTime": None} == {
-        "type": "Ready", "status": "True", "reason": "AllComponentsReady",
-        "message": "serving, feedback and trainer are up", "observedGeneration": 1, "lastTransitionTime": None}
+        "type": "Ready",
+        "status": "True",
+        "reason": "AllComponentsReady",
+        "message": "serving, feedback and trainer are up",
+        "observedGeneration": 1,
+        "lastTransitionTime": None,
+    }
     for ctype in ("ServingReady", "FeedbackReady", "TrainerRunning"):
         assert cluster.condition("demo", ctype)["status"] == "True"
     assert cluster.condition("demo", "Degraded")["status"] == "False"
@@ -69,9 +88,16 @@ async def test_update_patches_children_and_advances_observed_generation(cluster:
     await cluster.apply_job("demo", base_spec(valkey.url))
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 1, what="first reconcile")
     old_hash = cluster.obj("Deployment", "demo-serving")["spec"]["template"]["metadata"]["annotations"][
-        c.ANNO_CONFIG_HASH]
-    generation = await cluster.patch_spec("demo", {"serving": {"replicas": 3}, "feedback": {"maxBacklog": 500},
-                                                   "ingress": {"enabled": True, "host": "orl.example.com"}})
+        c.ANNO_CONFIG_HASH
+    ]
+    generation = await cluster.patch_spec(
+        "demo",
+        {
+            "serving": {"replicas": 3},
+            "feedback": {"maxBacklog": 500},
+            "ingress": {"enabled": True, "host": "orl.example.com"},
+        },
+    )
     assert generation == 2
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 2, what="observedGeneration 2")
     serving = cluster.obj("Deployment", "demo-serving")
@@ -98,11 +124,14 @@ async def test_trainer_failure_is_retried_with_backoff_then_failed(cluster: Clus
     failed = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}], "failed": 3}
     for attempt in (1, 2):
         await cluster.set_status("Job", "demo-trainer", failed)
-        await wait_until(lambda a=attempt: cluster.status("demo").get("trainerRestarts") == a,
-                         what=f"restart {attempt}")
+        await wait_until(
+            lambda a=attempt: cluster.status("demo").get("trainerRestarts") == a, what=f"restart {attempt}"
+        )
         assert cluster.condition("demo", "TrainerRunning")["reason"] in ("Restarting", "Starting")
-        await wait_until(lambda a=attempt: cluster.creations("Job", "demo-trainer") == a + 1,
-                         what=f"Job recreated after backoff ({attempt})")
+        await wait_until(
+            lambda a=attempt: cluster.creations("Job", "demo-trainer") == a + 1,
+            what=f"Job recreated after backoff ({attempt})",
+        )
     # The third failure exhausts trainer.maxRestarts=2: Failed, the failed Job is kept for its logs.
     await cluster.set_status("Job", "demo-trainer", failed)
     await wait_until(lambda: cluster.status("demo").get("phase") == "Failed", what="phase Failed")
@@ -144,12 +173,29 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
     keys = Keys("demo")
     try:
         # What the reloader and the gateway/feedback would have written.
-        r.hset(keys.policy, mapping={"stable": "2", "candidate": "3", "canary_share": "0.1", "pinned": "",
-                                     "paused": "0", "updated_at": "1"})
+        r.hset(
+            keys.policy,
+            mapping={
+                "stable": "2",
+                "candidate": "3",
+                "canary_share": "0.1",
+                "pinned": "",
+                "paused": "0",
+                "updated_at": "1",
+            },
+        )
         r.hset(keys.stats(2, "stable"), mapping={"shown": 40, "accepted": 10})
         r.hset(keys.stats(2, "pinned"), mapping={"shown": 10, "accepted": 5})
-        r.hset(keys.trainer_status, mapping={"step": 12, "version": 3, "samples_trained": 96,
-                                             "last_checkpoint_at": 1763632800.0, "state": "training"})
+        r.hset(
+            keys.trainer_status,
+            mapping={
+                "step": 12,
+                "version": 3,
+                "samples_trained": 96,
+                "last_checkpoint_at": 1763632800.0,
+                "state": "training",
+            },
+        )
         await cluster.apply_job("demo", base_spec(valkey.url, rollout={"pinnedVersion": 2}))
         await wait_until(lambda: r.hget(keys.policy, "pinned") == b"2", what="pinned=2 in Redis")
         policy = r.hgetall(keys.policy)
@@ -179,8 +225,9 @@ async def test_delete_cleans_up_children(cluster: Cluster, valkey) -> None:
     for kind, suffix in CHILDREN:
         await wait_until(lambda k=kind, s=suffix: cluster.obj(k, f"demo-{s}"), what=f"{kind} demo-{suffix}")
     await wait_until(lambda: cluster.obj("Ingress", "demo"), what="ingress")
-    await wait_until(lambda: c.GROUP + "/cleanup" in cluster.job("demo")["metadata"].get("finalizers", []),
-                     what="finalizer")
+    await wait_until(
+        lambda: c.GROUP + "/cleanup" in cluster.job("demo")["metadata"].get("finalizers", []), what="finalizer"
+    )
     await cluster.delete_job("demo")
     await wait_until(lambda: cluster.job("demo") is None, what="job gone (finalizer released)")
     for kind, suffix in CHILDREN:
@@ -189,9 +236,12 @@ async def test_delete_cleans_up_children(cluster: Cluster, valkey) -> None:
 
 
 async def test_delete_never_touches_an_existing_claim(cluster: Cluster, valkey) -> None:
-    user_claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                  "metadata": {"name": "demo-checkpoints", "namespace": "team-a"},
-                  "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}
+    user_claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "demo-checkpoints", "namespace": "team-a"},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
     await cluster.kube.create(user_claim)  # the user's own claim, named like ours
     await cluster.apply_job("demo", base_spec(valkey.url, storage={"existingClaim": "demo-checkpoints"}))
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 1, what="reconciled")

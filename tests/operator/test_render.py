@@ -27,13 +27,21 @@ def _examples() -> dict[str, dict[str, Any]]:
     return out
 
 
-SPECS = {**_examples(), "anon-inline-redis": {"auth": {"allowAnonymous": True}, "redis": {"url": "redis://r:6379/0"},
-                                              "trainer": {"suspend": True}, "ingress": {"enabled": True}}}
+SPECS = {
+    **_examples(),
+    "anon-inline-redis": {
+        "auth": {"allowAnonymous": True},
+        "redis": {"url": "redis://r:6379/0"},
+        "trainer": {"suspend": True},
+        "ingress": {"enabled": True},
+    },
+}
 
 
 def ctx_for(name: str, monitoring_api: bool = True) -> RenderContext:
-    return RenderContext(name=name, namespace="team-a", uid=UID, cfg=parse_spec(name, SPECS[name]),
-                         monitoring_api=monitoring_api)
+    return RenderContext(
+        name=name, namespace="team-a", uid=UID, cfg=parse_spec(name, SPECS[name]), monitoring_api=monitoring_api
+    )
 
 
 def by_kind(manifests: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -56,19 +64,34 @@ def test_every_child_is_owned_and_labelled(name: str) -> None:
     for m in render_all(ctx_for(name)):
         meta = m["metadata"]
         assert meta["namespace"] == "team-a"
-        assert meta["ownerReferences"] == [{"apiVersion": "onlinerl.dev/v1alpha1", "kind": "OnlineRLJob",
-                                            "name": name, "uid": UID, "controller": True,
-                                            "blockOwnerDeletion": True}], m["kind"]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "onlinerl.dev/v1alpha1",
+                "kind": "OnlineRLJob",
+                "name": name,
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], m["kind"]
         assert meta["labels"][c.LABEL_JOB] == name
 
 
 def test_cpu_demo_children() -> None:
     ctx = ctx_for("demo", monitoring_api=False)
     objs = by_kind(render_all(ctx))
-    assert set(objs) == {("ConfigMap", "demo-config"), ("PersistentVolumeClaim", "demo-checkpoints"),
-                         ("Service", "demo-redis"), ("StatefulSet", "demo-redis"), ("Deployment", "demo-serving"),
-                         ("Service", "demo-serving"), ("Deployment", "demo-feedback"), ("Service", "demo-feedback"),
-                         ("Service", "demo-trainer"), ("Job", "demo-trainer")}
+    assert set(objs) == {
+        ("ConfigMap", "demo-config"),
+        ("PersistentVolumeClaim", "demo-checkpoints"),
+        ("Service", "demo-redis"),
+        ("StatefulSet", "demo-redis"),
+        ("Deployment", "demo-serving"),
+        ("Service", "demo-serving"),
+        ("Deployment", "demo-feedback"),
+        ("Service", "demo-feedback"),
+        ("Service", "demo-trainer"),
+        ("Job", "demo-trainer"),
+    }
     pod = objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]
     containers = {ct["name"]: ct for ct in pod["containers"]}
     assert set(containers) == {"vllm", "gateway", "reloader"}
@@ -83,7 +106,8 @@ def test_cpu_demo_children() -> None:
     assert pod["initContainers"][0]["command"][:3] == ["onlinerl", "model", "bootstrap"]
     # Only the gateway port leaves the pod.
     assert objs[("Service", "demo-serving")]["spec"]["ports"] == [
-        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
     assert objs[("Service", "demo-feedback")]["spec"]["ports"][0]["port"] == 8002
     feedback = objs[("Deployment", "demo-feedback")]["spec"]["template"]["spec"]["containers"][0]
     assert feedback["command"] == ["python", "-m", "onlinerl_feedback"]
@@ -97,8 +121,9 @@ def test_cpu_demo_children() -> None:
     # Secrets mounted, config passed via ONLINERL_CONFIG
     env = {e["name"]: e.get("value") for e in containers["gateway"]["env"]}
     assert env["ONLINERL_CONFIG"] == "/etc/onlinerl/onlinerl.yaml"
-    assert {"name": "api-keys", "mountPath": "/etc/onlinerl/keys", "readOnly": True} in \
-        containers["gateway"]["volumeMounts"]
+    assert {"name": "api-keys", "mountPath": "/etc/onlinerl/keys", "readOnly": True} in containers["gateway"][
+        "volumeMounts"
+    ]
 
 
 def test_config_map_is_a_loadable_component_config() -> None:
@@ -125,12 +150,15 @@ def test_single_gpu_lora_with_external_redis_and_ingress() -> None:
     assert vllm["args"][-3:] == ["--gpu-memory-utilization", "0.85", "--enable-prefix-caching"]  # spec vllmArgs last
     gateway_env = {e["name"]: e for e in serving["containers"][1]["env"]}
     assert gateway_env["ONLINERL__REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "coder-redis", "key": "url"}
-    assert {"name": "models", "persistentVolumeClaim": {"claimName": "hf-models", "readOnly": True}} in \
-        serving["volumes"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "hf-models", "readOnly": True}} in serving[
+        "volumes"
+    ]
     ing = objs[("Ingress", "coder")]["spec"]
     paths = {p["path"]: p["backend"]["service"] for p in ing["rules"][0]["http"]["paths"]}
-    assert paths == {"/v1": {"name": "coder-serving", "port": {"number": 8000}},
-                     "/api/training": {"name": "coder-feedback", "port": {"number": 8002}}}
+    assert paths == {
+        "/v1": {"name": "coder-serving", "port": {"number": 8000}},
+        "/api/training": {"name": "coder-feedback", "port": {"number": 8002}},
+    }
     assert ing["tls"] == [{"hosts": ["coder.example.com"], "secretName": "coder-tls"}]
     assert ing["ingressClassName"] == "nginx"
     trainer = objs[("Job", "coder-trainer")]["spec"]["template"]["spec"]["containers"][0]
@@ -145,7 +173,9 @@ def test_eight_gpu_full_weight_zero3() -> None:
     job = objs[("Job", "coder-full-trainer")]["spec"]["template"]["spec"]
     trainer = job["containers"][0]
     assert trainer["command"][:3] == ["deepspeed", "--num_gpus", "8"] and trainer["command"][-2:] == [
-        "--module", "onlinerl_trainer"]
+        "--module",
+        "onlinerl_trainer",
+    ]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "coder-checkpoints"}} in job["volumes"]
     assert job["initContainers"][0]["image"] == "registry.example.com/models/qwen2.5-coder-7b:1"
@@ -164,9 +194,14 @@ def test_monitors_follow_the_api_in_auto_mode() -> None:
 def test_rendering_is_deterministic_and_config_changes_roll_the_pods() -> None:
     a, b = render_all(ctx_for("demo")), render_all(ctx_for("demo"))
     assert a == b
-    changed = RenderContext(name="demo", namespace="team-a", uid=UID,
-                            cfg=parse_spec("demo", {**SPECS["demo"], "feedback": {"replicas": 1, "maxBacklog": 10}}))
+    changed = RenderContext(
+        name="demo",
+        namespace="team-a",
+        uid=UID,
+        cfg=parse_spec("demo", {**SPECS["demo"], "feedback": {"replicas": 1, "maxBacklog": 10}}),
+    )
     key = "onlinerl.dev/config-hash"
+
     def pod_hash(manifests: list[dict[str, Any]]) -> str:
         return by_kind(manifests)[("Deployment", "demo-serving")]["spec"]["template"]["metadata"]["annotations"][key]
 
@@ -174,8 +209,9 @@ def test_rendering_is_deterministic_and_config_changes_roll_the_pods() -> None:
     assert old != new
     # Suspending the trainer or pinning a version must not restart serving (both act at runtime).
     for runtime_only in ({"trainer": {**SPECS["demo"]["trainer"], "suspend": True}}, {"rollout": {"pinnedVersion": 2}}):
-        same = RenderContext(name="demo", namespace="team-a", uid=UID,
-                             cfg=parse_spec("demo", {**SPECS["demo"], **runtime_only}))
+        same = RenderContext(
+            name="demo", namespace="team-a", uid=UID, cfg=parse_spec("demo", {**SPECS["demo"], **runtime_only})
+        )
         pod = by_kind(render_all(same))[("Deployment", "demo-serving")]["spec"]["template"]
         assert pod["metadata"]["annotations"][key] == old, runtime_only
 

@@ -73,5 +73,8 @@ class ArmSimulator:
 
 def publish_loaded(r: redis.Redis, job: str, version: int) -> None:
     """What the reloader writes once serving has loaded ``version``."""
-    r.hset(Keys(job).versions, str(version),
-           PolicyVersionState(version=version, state="loaded", served_model=f"{job}-v{version}").to_json())
+    r.hset(
+        Keys(job).versions,
+        str(version),
+        PolicyVersionState(version=version, state="loaded", served_model=f"{job}-v{version}").to_json(),
+    )

@@ -42,8 +42,9 @@ def rollout_cfg(**kw) -> RolloutConfig:
     return RolloutConfig(**{**base, **kw})
 
 
-def setup_canary(r: redis.Redis, clock: FakeClock, cfg: RolloutConfig, evaluator: Callable = good_eval,
-                 hooks: list | None = None) -> RolloutController:
+def setup_canary(
+    r: redis.Redis, clock: FakeClock, cfg: RolloutConfig, evaluator: Callable = good_eval, hooks: list | None = None
+) -> RolloutController:
     """v0 stable, v1 loaded; one tick gates v1 into the canary."""
     r.hset(Keys(JOB).policy, mapping=PolicyTable(stable=0).to_redis())
     publish_loaded(r, JOB, 1)
@@ -53,8 +54,9 @@ def setup_canary(r: redis.Redis, clock: FakeClock, cfg: RolloutConfig, evaluator
     return ctl
 
 
-def run_until_decided(ctl: RolloutController, sim: ArmSimulator, clock: FakeClock,
-                      max_ticks: int) -> list[DecisionRecord]:
+def run_until_decided(
+    ctl: RolloutController, sim: ArmSimulator, clock: FakeClock, max_ticks: int
+) -> list[DecisionRecord]:
     """Serve and tick until a promote or rollback (or ``max_ticks``); returns every decision recorded."""
     out: list[DecisionRecord] = []
     for _ in range(max_ticks):

@@ -41,8 +41,18 @@ def test_probability_edge_cases_and_large_counts() -> None:
 
 
 def test_looks_double_and_thresholds_tighten() -> None:
-    assert [look_index(n, 200) for n in (0, 199, 200, 399, 400, 799, 800, 1600, 3199, 3200)] == \
-        [-1, -1, 0, 0, 1, 1, 2, 3, 3, 4]
+    assert [look_index(n, 200) for n in (0, 199, 200, 399, 400, 799, 800, 1600, 3199, 3200)] == [
+        -1,
+        -1,
+        0,
+        0,
+        1,
+        1,
+        2,
+        3,
+        3,
+        4,
+    ]
     assert [look_threshold(0.95, k) for k in range(4)] == pytest.approx([0.975, 0.9875, 0.99375, 0.996875])
     assert sum(1 - look_threshold(0.95, k) for k in range(60)) == pytest.approx(0.05)  # total error budget
 

@@ -6,8 +6,13 @@ from onlinerl.config import GateConfig
 from onlinerl.rollout.gate import EvalRecord, GateInput, GateThresholds, evaluate_gate, repetition_score
 
 TH = GateThresholds.from_config(GateConfig(eval_samples=60))
-CODE = ["return a + b", "for item in items:\n    total += item.price",
-        "if not path.exists():\n    raise FileNotFoundError", "self.name = name\nself.size = size", "x = compute(y)"]
+CODE = [
+    "return a + b",
+    "for item in items:\n    total += item.price",
+    "if not path.exists():\n    raise FileNotFoundError",
+    "self.name = name\nself.size = size",
+    "x = compute(y)",
+]
 
 
 def records(n: int = 60, accept_every: int = 3, text=lambda i: CODE[i % len(CODE)]) -> list[EvalRecord]:
@@ -75,7 +80,10 @@ def test_repetition_score_normal_code_is_low() -> None:
 
 
 def test_gate_input_from_eval_records() -> None:
-    rows = [{"version": 2, "shown_text": "a", "accepted": True}, {"policy_version": 1, "completion": "b",
-            "accepted": False}, {"version": 7, "shown_text": "c", "accepted": True}]
+    rows = [
+        {"version": 2, "shown_text": "a", "accepted": True},
+        {"policy_version": 1, "completion": "b", "accepted": False},
+        {"version": 7, "shown_text": "c", "accepted": True},
+    ]
     inp = GateInput.from_records(2, 1, rows)
     assert inp.candidate == (EvalRecord("a", True),) and inp.stable == (EvalRecord("b", False),)

@@ -76,8 +76,11 @@ def test_rollback_returns_to_the_stable_a_promotion_replaced(redis_client) -> No
     for v in (1, 2, 3):
         publish_loaded(redis_client, JOB, v)
     store = RolloutStore(redis_client, Keys(JOB))
-    store.apply(DecisionRecord(decision="promote", version=3, stable=1), policy={"stable": 3},
-                states=[RolloutState(version=3, state="promoted", previous_stable=1)])
+    store.apply(
+        DecisionRecord(decision="promote", version=3, stable=1),
+        policy={"stable": 3},
+        states=[RolloutState(version=3, state="promoted", previous_stable=1)],
+    )
     rec = manual.rollback(store)
     assert rec.version == 1 and table(redis_client).stable == 1
 

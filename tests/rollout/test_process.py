@@ -19,9 +19,16 @@ JOB = "proc"
 
 
 def env(url: str, **extra: str) -> dict[str, str]:
-    return {"ONLINERL__REDIS__URL": url, "ONLINERL__JOB": JOB, "ONLINERL__ROLLOUT__STRATEGY": "canary",
-            "ONLINERL__ROLLOUT__CANARY_SHARE": "0.5", "ONLINERL__ROLLOUT__MIN_SAMPLES": "100",
-            "ONLINERL__ROLLOUT__MIN_DWELL_SECONDS": "0", "ONLINERL__ROLLOUT__GATE__EVAL_SAMPLES": "20", **extra}
+    return {
+        "ONLINERL__REDIS__URL": url,
+        "ONLINERL__JOB": JOB,
+        "ONLINERL__ROLLOUT__STRATEGY": "canary",
+        "ONLINERL__ROLLOUT__CANARY_SHARE": "0.5",
+        "ONLINERL__ROLLOUT__MIN_SAMPLES": "100",
+        "ONLINERL__ROLLOUT__MIN_DWELL_SECONDS": "0",
+        "ONLINERL__ROLLOUT__GATE__EVAL_SAMPLES": "20",
+        **extra,
+    }
 
 
 def table(r: redis.Redis) -> PolicyTable:
@@ -31,9 +38,20 @@ def table(r: redis.Redis) -> PolicyTable:
 def test_controller_process_gates_and_promotes(valkey, redis_client, tmp_path) -> None:
     redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=0).to_redis())
     port = free_port()
-    child = Child("rollout", python_module("onlinerl.rollout", "--interval", "0.1", "--port", str(port),
-                                           "--evaluator", "tests.rollout.evaluators:plain_code"),
-                  tmp_path / "rollout.log", env=env(valkey.url)).start()
+    child = Child(
+        "rollout",
+        python_module(
+            "onlinerl.rollout",
+            "--interval",
+            "0.1",
+            "--port",
+            str(port),
+            "--evaluator",
+            "tests.rollout.evaluators:plain_code",
+        ),
+        tmp_path / "rollout.log",
+        env=env(valkey.url),
+    ).start()
     try:
         child.wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout=30)
         publish_loaded(redis_client, JOB, 1)
@@ -59,7 +77,12 @@ def test_controller_process_gates_and_promotes(valkey, redis_client, tmp_path) -
 def test_refuses_to_start_without_evaluator(valkey) -> None:
     import os
 
-    proc = subprocess.run([sys.executable, "-m", "onlinerl.rollout"], env={**os.environ, **env(valkey.url)},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "onlinerl.rollout"],
+        env={**os.environ, **env(valkey.url)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "rollout.gate.enabled needs an evaluator" in proc.stderr

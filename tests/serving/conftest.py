@@ -66,8 +66,12 @@ class Gateway:
 
 
 def start_gateway(config_path: Path, log_path: Path, port: int) -> Gateway:
-    child = Child("gateway", python_module("onlinerl_serving.gateway"), log_path,
-                  env={"ONLINERL_CONFIG": str(config_path), "OMP_NUM_THREADS": "1"}).start()
+    child = Child(
+        "gateway",
+        python_module("onlinerl_serving.gateway"),
+        log_path,
+        env={"ONLINERL_CONFIG": str(config_path), "OMP_NUM_THREADS": "1"},
+    ).start()
     try:
         child.wait_healthy(f"http://127.0.0.1:{port}/healthz", 30)
     except BaseException:
@@ -77,9 +81,12 @@ def start_gateway(config_path: Path, log_path: Path, port: int) -> Gateway:
 
 
 def start_reloader(config_path: Path, log_path: Path, port: int) -> Child:
-    child = Child("reloader", python_module("onlinerl_serving.reloader"), log_path,
-                  env={"ONLINERL_CONFIG": str(config_path), "ONLINERL_RELOADER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"}).start()
+    child = Child(
+        "reloader",
+        python_module("onlinerl_serving.reloader"),
+        log_path,
+        env={"ONLINERL_CONFIG": str(config_path), "ONLINERL_RELOADER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+    ).start()
     try:
         child.wait_healthy(f"http://127.0.0.1:{port}/healthz", 30)
     except BaseException:
@@ -92,5 +99,14 @@ def redis_of(server: EmbeddedValkey) -> redis.Redis:
     return redis.Redis.from_url(server.url)
 
 
-__all__ = ["JOB", "KEY_ACME", "KEY_BETA", "Gateway", "free_port", "start_gateway", "start_reloader", "wait_for",
-           "write_config"]
+__all__ = [
+    "JOB",
+    "KEY_ACME",
+    "KEY_BETA",
+    "Gateway",
+    "free_port",
+    "start_gateway",
+    "start_reloader",
+    "wait_for",
+    "write_config",
+]

@@ -39,16 +39,31 @@ def make_lora_dir(base_model: Path, out: Path, *, seed: int, rank: int = 8, scal
     peft_model.save_pretrained(out)
 
 
-def write_lora_checkpoint(job: str, base_model: Path, ckpt_root: Path, version: int, *, seed: int | None = None,
-                          rank: int = 8, corrupt: bool = False) -> Path:
+def write_lora_checkpoint(
+    job: str,
+    base_model: Path,
+    ckpt_root: Path,
+    version: int,
+    *,
+    seed: int | None = None,
+    rank: int = 8,
+    corrupt: bool = False,
+) -> Path:
     """Write ``{ckpt_root}/{job}/v{version}`` as the trainer does: tmp dir, files, manifest last, atomic rename."""
     job_dir = ckpt_root / job
     tmp = job_dir / f".tmp-v{version}-{os.getpid()}"
     tmp.mkdir(parents=True)
     make_lora_dir(base_model, tmp, seed=version if seed is None else seed, rank=rank)
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-    manifest = CheckpointManifest(job=job, version=version, parent_version=version - 1, kind="lora",
-                                  base_model=str(base_model), step=version, files=files)
+    manifest = CheckpointManifest(
+        job=job,
+        version=version,
+        parent_version=version - 1,
+        kind="lora",
+        base_model=str(base_model),
+        step=version,
+        files=files,
+    )
     (tmp / "manifest.json").write_bytes(manifest.to_json())
     if corrupt:  # bytes changed after the manifest was written: the reloader must refuse it
         with open(tmp / "adapter_model.safetensors", "ab") as f:
@@ -60,13 +75,29 @@ def write_lora_checkpoint(job: str, base_model: Path, ckpt_root: Path, version: 
 
 def announce(r: redis.Redis, job: str, version: int, path: Path) -> None:
     """XADD the ``checkpoints`` entry (the last step of publishing)."""
-    r.xadd(Keys(job).checkpoints, {"version": str(version), "path": str(path), "kind": "lora",
-                                   "manifest_sha256": _sha256(path / "manifest.json"),
-                                   "created_at": repr(time.time())})
+    r.xadd(
+        Keys(job).checkpoints,
+        {
+            "version": str(version),
+            "path": str(path),
+            "kind": "lora",
+            "manifest_sha256": _sha256(path / "manifest.json"),
+            "created_at": repr(time.time()),
+        },
+    )
 
 
-def publish_lora(r: redis.Redis, job: str, base_model: Path, ckpt_root: Path, version: int, *, seed: int | None = None,
-                 rank: int = 8, corrupt: bool = False) -> Path:
+def publish_lora(
+    r: redis.Redis,
+    job: str,
+    base_model: Path,
+    ckpt_root: Path,
+    version: int,
+    *,
+    seed: int | None = None,
+    rank: int = 8,
+    corrupt: bool = False,
+) -> Path:
     """Write and announce version ``version``."""
     path = write_lora_checkpoint(job, base_model, ckpt_root, version, seed=seed, rank=rank, corrupt=corrupt)
     announce(r, job, version, path)

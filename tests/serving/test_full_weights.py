@@ -41,8 +41,9 @@ def write_full_checkpoint(base: Path, ckpt_root: Path, version: int) -> Path:
     tmp = ckpt_root / JOB / f".tmp-v{version}-{os.getpid()}"
     model.save_pretrained(tmp, safe_serialization=True)
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir()) if p.is_file()}
-    manifest = CheckpointManifest(job=JOB, version=version, parent_version=version - 1, kind="full",
-                                  base_model=str(base), files=files)
+    manifest = CheckpointManifest(
+        job=JOB, version=version, parent_version=version - 1, kind="full", base_model=str(base), files=files
+    )
     (tmp / "manifest.json").write_bytes(manifest.to_json())
     final = tmp.with_name(f"v{version}")
     os.replace(tmp, final)
@@ -52,11 +53,18 @@ def write_full_checkpoint(base: Path, ckpt_root: Path, version: int) -> Path:
 def test_full_weight_reload_switches_the_served_version(tmp_path: Path, keys_file: Path, tiny_model_path: Path) -> None:
     valkey = EmbeddedValkey(tmp_path / "valkey").start()
     engine_port, gw_port, rl_port = free_port(), free_port(), free_port()
-    sections = dict(redis={"url": valkey.url}, auth={"apiKeysFile": str(keys_file)},
-                    model={"path": str(tiny_model_path), "maxModelLen": 1024},
-                    serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": f"http://127.0.0.1:{engine_port}",
-                             "weightsMode": "full"},
-                    rollout={"strategy": "direct"})
+    sections = dict(
+        redis={"url": valkey.url},
+        auth={"apiKeysFile": str(keys_file)},
+        model={"path": str(tiny_model_path), "maxModelLen": 1024},
+        serving={
+            "host": "127.0.0.1",
+            "port": gw_port,
+            "engineUrl": f"http://127.0.0.1:{engine_port}",
+            "weightsMode": "full",
+        },
+        rollout={"strategy": "direct"},
+    )
     cfg_path = write_config(tmp_path / "config.yaml", **sections)
     children: list[Child] = []
     r = redis.Redis.from_url(valkey.url)
@@ -64,8 +72,9 @@ def test_full_weight_reload_switches_the_served_version(tmp_path: Path, keys_fil
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "stream": False}
     auth = {"Authorization": f"Bearer {KEY_ACME}"}
     try:
-        children.append(start_vllm(from_mapping({"job": JOB, **sections}), tiny_model_path, tmp_path / "vllm.log",
-                                   port=engine_port))
+        children.append(
+            start_vllm(from_mapping({"job": JOB, **sections}), tiny_model_path, tmp_path / "vllm.log", port=engine_port)
+        )
         gw = start_gateway(cfg_path, tmp_path / "gateway.log", gw_port)
         children.append(gw.child)
         children.append(start_reloader(cfg_path, tmp_path / "reloader.log", rl_port))
@@ -75,18 +84,29 @@ def test_full_weight_reload_switches_the_served_version(tmp_path: Path, keys_fil
             assert before.headers["x-onlinerl-policy-version"] == "0"
 
             path = write_full_checkpoint(tiny_model_path, tmp_path / "ckpt", 1)
-            r.xadd(keys.checkpoints, {"version": "1", "path": str(path), "kind": "full",
-                                      "manifest_sha256": hashlib.sha256((path / "manifest.json").read_bytes())
-                                      .hexdigest(), "created_at": repr(time.time())})
+            r.xadd(
+                keys.checkpoints,
+                {
+                    "version": "1",
+                    "path": str(path),
+                    "kind": "full",
+                    "manifest_sha256": hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest(),
+                    "created_at": repr(time.time()),
+                },
+            )
             wait_for(lambda: PolicyTable.from_redis(r.hgetall(keys.policy)).stable == 1, 60, what="v1 stable")
             assert r.hget(keys.reloader_status, "weights_version") == b"1"
             state = PolicyVersionState.from_json(r.hget(keys.versions, "1"))
             assert state.state == "loaded" and state.served_model == "onlinerl-base"
-            wait_for(lambda: c.post("/v1/completions", json=body, headers=auth)
-                     .headers["x-onlinerl-policy-version"] == "1", 10, what="gateway serving v1")
+            wait_for(
+                lambda: c.post("/v1/completions", json=body, headers=auth).headers["x-onlinerl-policy-version"] == "1",
+                10,
+                what="gateway serving v1",
+            )
             after = c.post("/v1/completions", json=body, headers=auth)
-        direct = httpx.post(f"http://127.0.0.1:{engine_port}/v1/completions",
-                            json={"model": "onlinerl-base", **body}, timeout=60).json()["choices"][0]["text"]
+        direct = httpx.post(
+            f"http://127.0.0.1:{engine_port}/v1/completions", json={"model": "onlinerl-base", **body}, timeout=60
+        ).json()["choices"][0]["text"]
         assert after.json()["choices"][0]["text"] == direct != before.json()["choices"][0]["text"]
     finally:
         r.close()

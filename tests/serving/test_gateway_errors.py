@@ -23,16 +23,25 @@ MAX_TOKENS_CAP = 4096
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey,
-            keys_file: Path) -> Iterator[Gateway]:
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey, keys_file: Path
+) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("gw-errors")
     port = free_port()
-    cfg = write_config(tmp / "config.yaml",
-                       redis={"url": module_valkey.url},
-                       auth={"apiKeysFile": str(keys_file)},
-                       serving={"host": "127.0.0.1", "port": port, "engineUrl": f"http://127.0.0.1:{free_port()}",
-                                "maxPromptChars": MAX_PROMPT_CHARS, "maxTokensCap": MAX_TOKENS_CAP,
-                                "engineConnectTimeoutSeconds": 1.0, "retryAfterSeconds": 3})
+    cfg = write_config(
+        tmp / "config.yaml",
+        redis={"url": module_valkey.url},
+        auth={"apiKeysFile": str(keys_file)},
+        serving={
+            "host": "127.0.0.1",
+            "port": port,
+            "engineUrl": f"http://127.0.0.1:{free_port()}",
+            "maxPromptChars": MAX_PROMPT_CHARS,
+            "maxTokensCap": MAX_TOKENS_CAP,
+            "engineConnectTimeoutSeconds": 1.0,
+            "retryAfterSeconds": 3,
+        },
+    )
     gw = start_gateway(cfg, tmp / "gateway.log", port)
     try:
         yield gw
@@ -43,8 +52,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedVal
 def continue_body(**over: object) -> dict:
     """Continue's autocomplete request for a Qwen-coder model (see shared/reference/continue-client.md)."""
     qwen = get_template("qwen")
-    body = {"model": "qwen2.5-coder-1.5b", "prompt": qwen.render("def add(a, b):\n    return ", "\n"),
-            "max_tokens": MAX_TOKENS_CAP, "temperature": 0.01, "stop": list(qwen.stop), "stream": True}
+    body = {
+        "model": "qwen2.5-coder-1.5b",
+        "prompt": qwen.render("def add(a, b):\n    return ", "\n"),
+        "max_tokens": MAX_TOKENS_CAP,
+        "temperature": 0.01,
+        "stop": list(qwen.stop),
+        "stream": True,
+    }
     body.update(over)
     return body
 
@@ -66,8 +81,9 @@ def test_missing_or_unknown_key_is_401(gateway: Gateway) -> None:
     with gateway.client() as c:
         assert_openai_error(c.post("/v1/completions", json=continue_body()), 401, "API key")
         assert_openai_error(c.post("/v1/completions", json=continue_body(), headers=auth("sk-wrong")), 401)
-        assert_openai_error(c.post("/v1/completions", json=continue_body(),
-                                   headers={"Authorization": "Basic " + KEY_ACME}), 401)
+        assert_openai_error(
+            c.post("/v1/completions", json=continue_body(), headers={"Authorization": "Basic " + KEY_ACME}), 401
+        )
         assert_openai_error(c.get("/v1/models"), 401)
         assert c.get("/v1/models", headers=auth()).json()["data"][0]["id"] == "onlinerl-base"
 
@@ -79,31 +95,39 @@ def test_either_auth_header_is_enough(gateway: Gateway) -> None:
             assert c.post("/v1/completions", json=continue_body(stream=False), headers=headers).status_code == 503
 
 
-@pytest.mark.parametrize(("override", "param", "needle"), [
-    ({"max_tokens": MAX_TOKENS_CAP + 1}, "max_tokens", f"serving.maxTokensCap={MAX_TOKENS_CAP}"),
-    ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "prompt", f"serving.maxPromptChars={MAX_PROMPT_CHARS}"),
-])
+@pytest.mark.parametrize(
+    ("override", "param", "needle"),
+    [
+        ({"max_tokens": MAX_TOKENS_CAP + 1}, "max_tokens", f"serving.maxTokensCap={MAX_TOKENS_CAP}"),
+        ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "prompt", f"serving.maxPromptChars={MAX_PROMPT_CHARS}"),
+    ],
+)
 def test_over_a_cap_is_400_naming_the_cap(gateway: Gateway, override: dict, param: str, needle: str) -> None:
     with gateway.client() as c:
-        err = assert_openai_error(c.post("/v1/completions", json=continue_body(**override), headers=auth()), 400,
-                                  needle)
+        err = assert_openai_error(
+            c.post("/v1/completions", json=continue_body(**override), headers=auth()), 400, needle
+        )
     assert err["param"] == param
 
 
-@pytest.mark.parametrize(("content", "param", "needle"), [
-    (b"{not json", None, "not valid JSON"),
-    (b"[1, 2]", None, "JSON object"),
-    (b'{"max_tokens": 5}', "prompt", "`prompt` is required"),
-    (b'{"prompt": "x", "stream": "yes"}', "stream", "`stream`"),
-    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "positive integer"),
-    (b'{"prompt": "x", "stop": [1]}', "stop", "`stop`"),
-    (b'{"prompt": "x", "temperature": "hot"}', "temperature", "number"),
-    (b'{"prompt": "x", "n": 2}', "n", "n: 1"),
-    (b'{"prompt": "x", "suffix": "y"}', "suffix", "FIM"),
-    (b'{"prompt": "x", "logprobs": 9}', "logprobs", "0 to 5"),
-])
-def test_malformed_body_is_400_naming_the_field(gateway: Gateway, content: bytes, param: str | None,
-                                                needle: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "param", "needle"),
+    [
+        (b"{not json", None, "not valid JSON"),
+        (b"[1, 2]", None, "JSON object"),
+        (b'{"max_tokens": 5}', "prompt", "`prompt` is required"),
+        (b'{"prompt": "x", "stream": "yes"}', "stream", "`stream`"),
+        (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "positive integer"),
+        (b'{"prompt": "x", "stop": [1]}', "stop", "`stop`"),
+        (b'{"prompt": "x", "temperature": "hot"}', "temperature", "number"),
+        (b'{"prompt": "x", "n": 2}', "n", "n: 1"),
+        (b'{"prompt": "x", "suffix": "y"}', "suffix", "FIM"),
+        (b'{"prompt": "x", "logprobs": 9}', "logprobs", "0 to 5"),
+    ],
+)
+def test_malformed_body_is_400_naming_the_field(
+    gateway: Gateway, content: bytes, param: str | None, needle: str
+) -> None:
     with gateway.client() as c:
         err = assert_openai_error(c.post("/v1/completions", content=content, headers=auth()), 400, needle)
     assert err["param"] == param
@@ -111,8 +135,9 @@ def test_malformed_body_is_400_naming_the_field(gateway: Gateway, content: bytes
 
 def test_huge_body_is_413(gateway: Gateway) -> None:
     with gateway.client() as c:
-        resp = c.post("/v1/completions", content=b'{"prompt": "' + b"x" * (MAX_PROMPT_CHARS * 4 + 70_000) + b'"}',
-                      headers=auth())
+        resp = c.post(
+            "/v1/completions", content=b'{"prompt": "' + b"x" * (MAX_PROMPT_CHARS * 4 + 70_000) + b'"}', headers=auth()
+        )
     assert_openai_error(resp, 413, "maxPromptChars")
 
 

@@ -40,8 +40,14 @@ AUTH = {"Authorization": f"Bearer {KEY_ACME}", "api-key": KEY_ACME}
 
 def continue_body(max_tokens: int = 24, **over: object) -> dict:
     """Continue's autocomplete request, exactly (shared/reference/continue-client.md), with a short max_tokens."""
-    body = {"model": "Qwen2.5-Coder-1.5B", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.01,
-            "stop": list(QWEN.stop), "stream": True}
+    body = {
+        "model": "Qwen2.5-Coder-1.5B",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.01,
+        "stop": list(QWEN.stop),
+        "stream": True,
+    }
     body.update(over)
     return body
 
@@ -59,8 +65,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey, keys_file: Path,
-          tiny_model_path: Path) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey, keys_file: Path, tiny_model_path: Path
+) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("serving")
     engine_port, gw_port, rl_port = free_port(), free_port(), free_port()
     sections = dict(
@@ -68,8 +75,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValke
         auth={"apiKeysFile": str(keys_file)},
         model={"path": str(tiny_model_path), "maxModelLen": 2048},
         storage={"checkpointDir": str(tmp / "ckpt")},
-        serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": f"http://127.0.0.1:{engine_port}",
-                 "keepVersions": KEEP, "maxLoadFailures": 2, "drainTimeoutSeconds": 30},
+        serving={
+            "host": "127.0.0.1",
+            "port": gw_port,
+            "engineUrl": f"http://127.0.0.1:{engine_port}",
+            "keepVersions": KEEP,
+            "maxLoadFailures": 2,
+            "drainTimeoutSeconds": 30,
+        },
         rollout={"strategy": "direct"},
     )
     cfg_path = write_config(tmp / "config.yaml", **sections)
@@ -90,8 +103,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValke
         children.append(gw.child)
         reloader = start_reloader(cfg_path, tmp / "reloader.log", rl_port)
         children.append(reloader)
-        yield Stack(gw, reloader, f"http://127.0.0.1:{rl_port}", f"http://127.0.0.1:{engine_port}", r, Keys(JOB),
-                    tmp / "ckpt", tiny_model_path)
+        yield Stack(
+            gw,
+            reloader,
+            f"http://127.0.0.1:{rl_port}",
+            f"http://127.0.0.1:{engine_port}",
+            r,
+            Keys(JOB),
+            tmp / "ckpt",
+            tiny_model_path,
+        )
     finally:
         r.close()
         for child in reversed(children):
@@ -181,7 +202,7 @@ def test_continue_stream_is_wellformed_sse_and_recorded(stack: Stack, tiny_model
     for i, tid in enumerate(rec.completion_token_ids):  # offsets locate each token's text in the completion
         end = rec.token_offsets[i + 1] if i + 1 < n else len(rec.completion)
         if end <= len(rec.completion):
-            assert rec.completion[rec.token_offsets[i]:end] == tok.decode([tid])
+            assert rec.completion[rec.token_offsets[i] : end] == tok.decode([tid])
     assert rec.created_at <= rec.finished_at
     ttl = stack.redis.ttl(stack.keys.rollouts("acme", PROMPT))
     assert 1700 < ttl <= 1800
@@ -220,8 +241,11 @@ def test_gateway_metrics_count_what_was_served(stack: Stack) -> None:
     with stack.gateway.client() as c:
         metrics = c.get("/metrics").text
         ready = c.get("/readyz").json()
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line and not line.startswith("#")}
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples['onlinerl_serving_rollouts_recorded_total{arm="base",version="0"}'] >= 3
     assert samples['onlinerl_serving_requests_total{arm="base",code="200",tenant="acme",version="0"}'] >= 3
     assert samples["onlinerl_serving_ttft_seconds_count"] >= 2
@@ -242,9 +266,16 @@ async def _client_loop(url: str, stop_at: list[float], results: list[tuple[float
                 async with c.stream("POST", "/v1/completions", json=continue_body(max_tokens=16), headers=AUTH) as r:
                     raw = await r.aread()
                 ok = r.status_code == 200 and raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
-                results.append((t0, time.monotonic(), r.status_code if ok else -r.status_code,
-                                r.headers.get("x-onlinerl-policy-version", ""),
-                                r.headers.get("x-onlinerl-rollout-id", ""), len(raw)))
+                results.append(
+                    (
+                        t0,
+                        time.monotonic(),
+                        r.status_code if ok else -r.status_code,
+                        r.headers.get("x-onlinerl-policy-version", ""),
+                        r.headers.get("x-onlinerl-rollout-id", ""),
+                        len(raw),
+                    )
+                )
             except httpx.HTTPError as exc:
                 results.append((t0, time.monotonic(), -1, repr(exc), "", 0))
 
@@ -262,8 +293,13 @@ def test_live_switch_under_8_streaming_clients_fails_nothing(stack: Stack) -> No
         await asyncio.to_thread(wait_for, lambda: policy(stack).stable == 1, 30, 0.05, "reloader to make v1 stable")
         switched_at.append(time.monotonic())
         # keep streaming until 16 requests that started after the switch were answered by v1
-        await asyncio.to_thread(wait_for, lambda: sum(1 for r in results if r[0] > switched_at[0] + 1.5
-                                                      and r[3] == "1") >= 16, 60, 0.1, "16 requests served by v1")
+        await asyncio.to_thread(
+            wait_for,
+            lambda: sum(1 for r in results if r[0] > switched_at[0] + 1.5 and r[3] == "1") >= 16,
+            60,
+            0.1,
+            "16 requests served by v1",
+        )
         stop_at[0] = 0
         await asyncio.gather(*clients)
 
@@ -281,8 +317,7 @@ def test_live_switch_under_8_streaming_clients_fails_nothing(stack: Stack) -> No
     v1_text = direct_greedy(stack, adapter_name(JOB, 1))
     assert v1_text != base_text
     with stack.gateway.client() as c:
-        resp = c.post("/v1/completions", json=continue_body(stream=False, temperature=0.0, max_tokens=12),
-                      headers=AUTH)
+        resp = c.post("/v1/completions", json=continue_body(stream=False, temperature=0.0, max_tokens=12), headers=AUTH)
     assert resp.headers["x-onlinerl-policy-version"] == "1" and resp.json()["choices"][0]["text"] == v1_text
     state = version_state(stack, 1)
     assert state is not None and state.state == "loaded" and state.served_model == adapter_name(JOB, 1)
@@ -292,15 +327,19 @@ def test_newer_versions_retire_the_oldest_beyond_keep(stack: Stack) -> None:
     for v in (2, 3):
         publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, v)
     wait_for(lambda: policy(stack).stable == 3, 60, what="v3 stable")
-    wait_for(lambda: (version_state(stack, 1) or PolicyVersionState(version=1)).state == "retired", 30,
-             what="v1 retired")
+    wait_for(
+        lambda: (version_state(stack, 1) or PolicyVersionState(version=1)).state == "retired", 30, what="v1 retired"
+    )
     models = engine_models(stack)
     assert adapter_name(JOB, 1) not in models
     assert {adapter_name(JOB, 2), adapter_name(JOB, 3)} <= models
     assert (stack.ckpt_root / JOB / "v1" / "manifest.json").is_file()  # the reloader never deletes a directory
     with stack.gateway.client() as c:
-        wait_for(lambda: stream(c, continue_body(max_tokens=4)).headers["x-onlinerl-policy-version"] == "3", 10,
-                 what="gateway serving v3")
+        wait_for(
+            lambda: stream(c, continue_body(max_tokens=4)).headers["x-onlinerl-policy-version"] == "3",
+            10,
+            what="gateway serving v3",
+        )
 
 
 def test_vllm_losing_adapters_gets_them_back(stack: Stack) -> None:
@@ -314,8 +353,11 @@ def test_vllm_losing_adapters_gets_them_back(stack: Stack) -> None:
 
 def test_bad_checkpoint_is_marked_failed_after_bounded_attempts(stack: Stack) -> None:
     publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, 4, corrupt=True)
-    wait_for(lambda: (version_state(stack, 4) or PolicyVersionState(version=4)).state == "failed", 30,
-             what="v4 marked failed")
+    wait_for(
+        lambda: (version_state(stack, 4) or PolicyVersionState(version=4)).state == "failed",
+        30,
+        what="v4 marked failed",
+    )
     state = version_state(stack, 4)
     assert state.failures == 2 and "sha256" in state.error
     assert policy(stack).stable == 3  # never routed to
@@ -332,14 +374,19 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
     v5 = write_lora_checkpoint(JOB, stack.base_model, stack.ckpt_root, 5)  # ready before the clock starts
     stack.redis.hset(stack.keys.policy, "pinned", "2")  # a pin keeps v2 wanted and routes to it
     with stack.gateway.client() as c:
-        wait_for(lambda: stream(c, continue_body(max_tokens=2)).headers["x-onlinerl-policy-version"] == "2", 10,
-                 what="gateway routing to pinned v2")
+        wait_for(
+            lambda: stream(c, continue_body(max_tokens=2)).headers["x-onlinerl-policy-version"] == "2",
+            10,
+            what="gateway routing to pinned v2",
+        )
     started, finished, result = [], [], {}
 
     def long_stream() -> None:
         body = continue_body(max_tokens=2000, temperature=0.0, stop=[])
-        with httpx.Client(base_url=stack.gateway.url, timeout=120) as c, \
-                c.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+        with (
+            httpx.Client(base_url=stack.gateway.url, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json=body, headers=AUTH) as r,
+        ):
             result["version"] = r.headers["x-onlinerl-policy-version"]
             chunks = []
             for chunk in r.iter_raw():
@@ -377,14 +424,21 @@ def test_canary_split_is_deterministic_per_user_and_recorded(stack: Stack) -> No
     stable = policy(stack).stable
     users = [f"install-{i}" for i in range(12)]
     with stack.gateway.client() as c:
+
         def arms() -> dict[str, tuple[str, str, str]]:
             out = {}
             for u in users:
-                resp = c.post("/v1/completions", json=continue_body(stream=False, max_tokens=2),
-                              headers={**AUTH, "X-Continue-Unique-Id": u})
+                resp = c.post(
+                    "/v1/completions",
+                    json=continue_body(stream=False, max_tokens=2),
+                    headers={**AUTH, "X-Continue-Unique-Id": u},
+                )
                 assert resp.status_code == 200
-                out[u] = (resp.headers["x-onlinerl-arm"], resp.headers["x-onlinerl-policy-version"],
-                          resp.headers["x-onlinerl-rollout-id"])
+                out[u] = (
+                    resp.headers["x-onlinerl-arm"],
+                    resp.headers["x-onlinerl-policy-version"],
+                    resp.headers["x-onlinerl-rollout-id"],
+                )
             return out
 
         wait_for(lambda: "candidate" in {a for a, _, _ in arms().values()}, 10, what="gateway to see the candidate")

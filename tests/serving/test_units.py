@@ -30,34 +30,67 @@ LIMITS = Limits(max_prompt_chars=100, max_tokens_cap=4096, max_model_len=2048)
 
 # --- request validation -------------------------------------------------------------------------------------------
 def test_continue_request_is_accepted_and_forwarded_with_capture_fields() -> None:
-    stop = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
-            "<|file_sep|>", "<|im_start|>", "<|im_end|>", "/src/", "#- coding: utf-8", "```"]
-    raw = orjson.dumps({"model": "qwen", "prompt": "<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>", "max_tokens": 4096,
-                        "temperature": 0.01, "stop": stop, "stream": True, "unknown_extra": 1})
+    stop = [
+        "<|endoftext|>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "/src/",
+        "#- coding: utf-8",
+        "```",
+    ]
+    raw = orjson.dumps(
+        {
+            "model": "qwen",
+            "prompt": "<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>",
+            "max_tokens": 4096,
+            "temperature": 0.01,
+            "stop": stop,
+            "stream": True,
+            "unknown_extra": 1,
+        }
+    )
     req = parse_completion_request(raw, LIMITS)
     assert req.max_tokens == 2048  # clamped to the context: vLLM would refuse 4096 > max_model_len
     up = orjson.loads(upstream_body(req, "job-v3"))
-    assert up == {"model": "job-v3", "prompt": req.prompt, "max_tokens": 2048, "stream": True, "stop": stop,
-                  "logprobs": 0, "return_token_ids": True, "temperature": 0.01}
+    assert up == {
+        "model": "job-v3",
+        "prompt": req.prompt,
+        "max_tokens": 2048,
+        "stream": True,
+        "stop": stop,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "temperature": 0.01,
+    }
 
 
 def test_client_logprobs_and_usage_are_forwarded() -> None:
-    req = parse_completion_request(b'{"prompt": "x", "logprobs": 2, "stream": true, '
-                                   b'"stream_options": {"include_usage": true}}', LIMITS)
+    req = parse_completion_request(
+        b'{"prompt": "x", "logprobs": 2, "stream": true, "stream_options": {"include_usage": true}}', LIMITS
+    )
     up = orjson.loads(upstream_body(req, "m"))
     assert up["logprobs"] == 2 and up["stream_options"] == {"include_usage": True}
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "x" * 101}, "prompt"),
-    ({"prompt": "x", "max_tokens": 4097}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "best_of": 2}, "best_of"),
-    ({"prompt": "x", "stop": ["s"] * 33}, "stop"),
-    ({"prompt": "x", "seed": 1.5}, "seed"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x" * 101}, "prompt"),
+        ({"prompt": "x", "max_tokens": 4097}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "best_of": 2}, "best_of"),
+        ({"prompt": "x", "stop": ["s"] * 33}, "stop"),
+        ({"prompt": "x", "seed": 1.5}, "seed"),
+    ],
+)
 def test_invalid_requests_name_the_field(body: dict, param: str) -> None:
     with pytest.raises(ApiError) as exc:
         parse_completion_request(orjson.dumps(body), LIMITS)
@@ -107,13 +140,37 @@ def test_model_names_round_trip() -> None:
 
 
 # --- capture ------------------------------------------------------------------------------------------------------
-def _chunk(text: str, ids: list[int], lps: list[float], offs: list[int], finish: str | None = None,
-           prompt_ids: list[int] | None = None) -> dict:
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [{
-        "index": 0, "text": text, "logprobs": {"text_offset": offs, "token_logprobs": lps, "tokens": ["?"] * len(ids),
-                                               "top_logprobs": [{}] * len(ids)},
-        "finish_reason": finish, "stop_reason": None, "prompt_token_ids": prompt_ids, "token_ids": ids}],
-        "kv_transfer_params": None}
+def _chunk(
+    text: str,
+    ids: list[int],
+    lps: list[float],
+    offs: list[int],
+    finish: str | None = None,
+    prompt_ids: list[int] | None = None,
+) -> dict:
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": {
+                    "text_offset": offs,
+                    "token_logprobs": lps,
+                    "tokens": ["?"] * len(ids),
+                    "top_logprobs": [{}] * len(ids),
+                },
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_token_ids": prompt_ids,
+                "token_ids": ids,
+            }
+        ],
+        "kv_transfer_params": None,
+    }
 
 
 def test_accumulator_joins_stream_deltas_even_when_text_lags_tokens() -> None:
@@ -121,9 +178,17 @@ def test_accumulator_joins_stream_deltas_even_when_text_lags_tokens() -> None:
     acc.add_choice(_chunk("", [5], [-0.1], [0], prompt_ids=[1, 2])["choices"][0])  # text held back for stop check
     acc.add_choice(_chunk("ab cd", [6, 7], [-0.2, -0.3], [2, 3], "stop")["choices"][0])
     assert acc.consistent()
-    rec = acc.to_record(tenant="t", arm="stable", version=2, served_model="j-v2", user_hash="u", prompt="p",
-                        sampling={"temperature": 0.01, "top_p": None, "max_tokens": 8, "stop": ["x"]},
-                        created_at=1.0, rollout_id="r1")
+    rec = acc.to_record(
+        tenant="t",
+        arm="stable",
+        version=2,
+        served_model="j-v2",
+        user_hash="u",
+        prompt="p",
+        sampling={"temperature": 0.01, "top_p": None, "max_tokens": 8, "stop": ["x"]},
+        created_at=1.0,
+        rollout_id="r1",
+    )
     assert (rec.completion, rec.completion_token_ids) == ("ab cd", [5, 6, 7])
     assert rec.behaviour_logprobs == [-0.1, -0.2, -0.3]
     assert rec.prompt_token_ids == [1, 2] and rec.token_offsets == [0, 2, 3] and rec.finish_reason == "stop"
@@ -132,8 +197,13 @@ def test_accumulator_joins_stream_deltas_even_when_text_lags_tokens() -> None:
 def test_client_view_strips_what_was_not_asked() -> None:
     c = _chunk("hi", [5], [-0.1], [0], "length", prompt_ids=[1])
     plain = client_view(c, logprobs=None, token_ids=False)
-    assert plain == {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                     "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]}
+    assert plain == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
+    }
     with_lp = client_view(c, logprobs=1, token_ids=False)
     assert with_lp["choices"][0]["logprobs"]["token_logprobs"] == [-0.1]
 
@@ -153,11 +223,14 @@ def test_verify_checkpoint_accepts_a_good_one(tmp_path: Path) -> None:
     assert verify_checkpoint(_publish(tmp_path), "j").version == 1
 
 
-@pytest.mark.parametrize(("tamper", "needle"), [
-    (lambda d: (d / "adapter_model.safetensors").write_bytes(b"other"), "sha256 differs from the manifest"),
-    (lambda d: (d / "adapter_model.safetensors").unlink(), "missing"),
-    (lambda d: (d / "manifest.json").write_bytes(b"{}"), "announced manifest_sha256"),
-])
+@pytest.mark.parametrize(
+    ("tamper", "needle"),
+    [
+        (lambda d: (d / "adapter_model.safetensors").write_bytes(b"other"), "sha256 differs from the manifest"),
+        (lambda d: (d / "adapter_model.safetensors").unlink(), "missing"),
+        (lambda d: (d / "manifest.json").write_bytes(b"{}"), "announced manifest_sha256"),
+    ],
+)
 def test_verify_checkpoint_refuses_tampering(tmp_path: Path, tamper, needle: str) -> None:
     ann = _publish(tmp_path)
     tamper(Path(ann.path))
@@ -175,8 +248,12 @@ def test_verify_checkpoint_refuses_wrong_job_or_tmp_dir(tmp_path: Path) -> None:
 
 # --- engine command line ------------------------------------------------------------------------------------------
 def test_vllm_argv_and_env() -> None:
-    cfg = from_mapping({"model": {"servedName": "base", "maxModelLen": 4096},
-                        "serving": {"lora": {"maxRank": 32, "maxLoras": 6}, "vllmArgs": ["--seed", "1"]}})
+    cfg = from_mapping(
+        {
+            "model": {"servedName": "base", "maxModelLen": 4096},
+            "serving": {"lora": {"maxRank": 32, "maxLoras": 6}, "vllmArgs": ["--seed", "1"]},
+        }
+    )
     argv = vllm_argv(cfg, "/m", port=9001, cpu=True)
     joined = " ".join(argv)
     assert "-m vllm.entrypoints.openai.api_server --model /m --served-model-name base --host 127.0.0.1" in joined

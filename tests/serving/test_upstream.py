@@ -7,8 +7,10 @@ import asyncio
 import pytest
 from onlinerl_serving.upstream import EnginePool, EngineUnavailable
 
-CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-           b"8\r\ndata: a\n\r\na\r\ndata: bc\n\n\r\n0\r\n\r\n")
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"8\r\ndata: a\n\r\na\r\ndata: bc\n\n\r\n0\r\n\r\n"
+)
 
 
 async def _serve(handler) -> tuple[asyncio.AbstractServer, int]:
@@ -70,7 +72,7 @@ async def test_full_body_is_reassembled() -> None:
 async def test_engine_dying_mid_stream_raises_unavailable() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
-        writer.write(CHUNKED[:CHUNKED.index(b"bc")])  # headers and part of the body, then the process "dies"
+        writer.write(CHUNKED[: CHUNKED.index(b"bc")])  # headers and part of the body, then the process "dies"
         await writer.drain()
         writer.transport.abort()
 

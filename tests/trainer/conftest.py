@@ -21,8 +21,13 @@ JOB = "tjob"
 
 def trainer_config(checkpoint_dir: Path, redis_url: str, model_path: Path, **trainer: Any) -> OnlineRLConfig:
     base: dict[str, Any] = {
-        "engine": "torch", "batchSize": 8, "microBatchSize": 8, "batchTimeoutSeconds": 0.5, "maxSeqLen": 128,
-        "lora": {"r": 8, "alpha": 16}, "checkpoint": {"everySteps": 1, "keep": 100},
+        "engine": "torch",
+        "batchSize": 8,
+        "microBatchSize": 8,
+        "batchTimeoutSeconds": 0.5,
+        "maxSeqLen": 128,
+        "lora": {"r": 8, "alpha": 16},
+        "checkpoint": {"everySteps": 1, "keep": 100},
         "algorithm": {"learningRate": 1e-3},
     }
     for key, value in trainer.items():
@@ -30,15 +35,37 @@ def trainer_config(checkpoint_dir: Path, redis_url: str, model_path: Path, **tra
             base[key] = {**base[key], **value}
         else:
             base[key] = value
-    return from_mapping({"job": JOB, "model": {"path": str(model_path)}, "redis": {"url": redis_url},
-                         "storage": {"checkpointDir": str(checkpoint_dir)}, "trainer": base})
+    return from_mapping(
+        {
+            "job": JOB,
+            "model": {"path": str(model_path)},
+            "redis": {"url": redis_url},
+            "storage": {"checkpointDir": str(checkpoint_dir)},
+            "trainer": base,
+        }
+    )
 
 
-def make_sample(i: int, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float],
-                reward: float, version: int = 0, tenant: str = "acme") -> TrainingSample:
-    return TrainingSample(event_id=f"ev-{i}", rollout_id=f"ro-{i}", tenant=tenant, policy_version=version,
-                          prompt_token_ids=list(prompt), completion_token_ids=list(completion),
-                          behaviour_logprobs=list(logprobs), reward=reward, accepted=reward > 0)
+def make_sample(
+    i: int,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    logprobs: Sequence[float],
+    reward: float,
+    version: int = 0,
+    tenant: str = "acme",
+) -> TrainingSample:
+    return TrainingSample(
+        event_id=f"ev-{i}",
+        rollout_id=f"ro-{i}",
+        tenant=tenant,
+        policy_version=version,
+        prompt_token_ids=list(prompt),
+        completion_token_ids=list(completion),
+        behaviour_logprobs=list(logprobs),
+        reward=reward,
+        accepted=reward > 0,
+    )
 
 
 def xadd_samples(client: redis.Redis, samples: Sequence[TrainingSample]) -> list[str]:

@@ -37,13 +37,28 @@ def test_normalisation_divides_by_std():
 
 
 def _sample(prompt, completion, lps, reward=1.0, version=0):
-    return TrainingSample(event_id="e", rollout_id="r", tenant="t", policy_version=version, prompt_token_ids=prompt,
-                          completion_token_ids=completion, behaviour_logprobs=lps, reward=reward, accepted=True)
+    return TrainingSample(
+        event_id="e",
+        rollout_id="r",
+        tenant="t",
+        policy_version=version,
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        behaviour_logprobs=lps,
+        reward=reward,
+        accepted=True,
+    )
 
 
 def test_collate_left_pads_and_aligns_completion_targets():
-    batch = collate([StreamSample("1-0", _sample([5, 6, 7], [8, 9], [-0.1, -0.2])),
-                     StreamSample("2-0", _sample([5], [4], [-0.3], reward=-0.25))], max_len=16, pad_id=0)
+    batch = collate(
+        [
+            StreamSample("1-0", _sample([5, 6, 7], [8, 9], [-0.1, -0.2])),
+            StreamSample("2-0", _sample([5], [4], [-0.3], reward=-0.25)),
+        ],
+        max_len=16,
+        pad_id=0,
+    )
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [0, 0, 0, 5, 4]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 0, 1]]

@@ -31,16 +31,29 @@ def batch_of(n: int, seed: int):
         length = 3 + i % 4
         completion = torch.randint(100, 5000, (length,), generator=g).tolist()
         behaviour = (-10.8 + 0.1 * torch.randn(length, generator=g)).tolist()
-        rows.append(StreamSample(f"{i}-0", make_sample(i, PROMPT[: 5 + i], completion, behaviour,
-                                                       0.75 if i % 2 else -0.25)))
+        rows.append(
+            StreamSample(f"{i}-0", make_sample(i, PROMPT[: 5 + i], completion, behaviour, 0.75 if i % 2 else -0.25))
+        )
     return rows
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_matches_plain_torch_and_guards_nonfinite(tmp_path, valkey, tiny_model_path, stage):
-    cfg = trainer_config(tmp_path, valkey.url, tiny_model_path, microBatchSize=4, zeroStage=stage,
-                         algorithm={"learningRate": 1e-2, "ppoEpochs": 2, "klCoef": 0.05, "entropyCoef": 0.01,
-                                    "oldLogprobs": "recompute", "dualClip": 3.0})
+    cfg = trainer_config(
+        tmp_path,
+        valkey.url,
+        tiny_model_path,
+        microBatchSize=4,
+        zeroStage=stage,
+        algorithm={
+            "learningRate": 1e-2,
+            "ppoEpochs": 2,
+            "klCoef": 0.05,
+            "entropyCoef": 0.01,
+            "oldLogprobs": "recompute",
+            "dualClip": 3.0,
+        },
+    )
     plain = TorchEngine(load_policy(tiny_model_path, cfg.trainer), cfg.trainer)
     zero2 = DeepSpeedEngine(load_policy(tiny_model_path, cfg.trainer), cfg.trainer)
     start = plain.trainable_state_dict()

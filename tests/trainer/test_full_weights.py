@@ -12,13 +12,24 @@ PROMPT = [1604, 803, 24, 81, 28, 278, 727]
 
 
 def test_full_weights_publish_load_and_resume(tmp_path, redis_client, valkey, tiny_model_path):
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, weights="full", batchSize=4,
-                         algorithm={"learningRate": 1e-3, "klCoef": 0.01})  # KL needs the frozen reference copy
+    cfg = trainer_config(
+        tmp_path / "ckpt",
+        valkey.url,
+        tiny_model_path,
+        weights="full",
+        batchSize=4,
+        algorithm={"learningRate": 1e-3, "klCoef": 0.01},
+    )  # KL needs the frozen reference copy
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     assert trainer.reference is not None
     trainer.start()
-    xadd_samples(redis_client, [make_sample(i, PROMPT, [966, 446, 198 if i % 2 else 29856], [-10.8] * 3,
-                                            0.75 if i % 2 else -0.25) for i in range(8)])
+    xadd_samples(
+        redis_client,
+        [
+            make_sample(i, PROMPT, [966, 446, 198 if i % 2 else 29856], [-10.8] * 3, 0.75 if i % 2 else -0.25)
+            for i in range(8)
+        ],
+    )
     for _ in range(2):
         stats = trainer.train_on(trainer.collect())
         assert stats is not None

@@ -22,8 +22,12 @@ from onlinerl.schemas import CheckpointManifest
 
 from .conftest import JOB, make_sample, stream_ids, trainer_config, xadd_samples
 
-PROMPTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n",
-           "for i in range(10):\n    total += i\n", "class Point:\n    x: int\n"]
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nprint(os.getcwd())\n",
+    "for i in range(10):\n    total += i\n",
+    "class Point:\n    x: int\n",
+]
 BODY = " result = compute(x)"
 
 
@@ -31,8 +35,8 @@ BODY = " result = compute(x)"
 def tokens(tiny_model_path: Path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    newline, = enc("\n")
-    foo, = enc(" foo")
+    (newline,) = enc("\n")
+    (foo,) = enc(" foo")
     return [enc(p) for p in PROMPTS], enc(BODY), newline, foo
 
 
@@ -51,11 +55,15 @@ def ending_logprob(trainer: Trainer, prompts, body, token) -> float:
     return sum(lps[-1] for lps in logprobs_now(trainer, rows)) / len(rows)
 
 
-def test_reward_moves_the_policy_and_versions_are_published(tmp_path, redis_client, valkey, tiny_model_path,
-                                                            tokens):
+def test_reward_moves_the_policy_and_versions_are_published(tmp_path, redis_client, valkey, tiny_model_path, tokens):
     prompts, body, newline, foo = tokens
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, checkpoint={"everySteps": 10},
-                         algorithm={"learningRate": 1e-2, "baseline": "batch"})
+    cfg = trainer_config(
+        tmp_path / "ckpt",
+        valkey.url,
+        tiny_model_path,
+        checkpoint={"everySteps": 10},
+        algorithm={"learningRate": 1e-2, "baseline": "batch"},
+    )
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
     before_nl, before_foo = (ending_logprob(trainer, prompts, body, t) for t in (newline, foo))
@@ -64,8 +72,10 @@ def test_reward_moves_the_policy_and_versions_are_published(tmp_path, redis_clie
     for rnd in range(30):
         rows = [(p, [*body, newline]) for p in prompts] + [(p, [*body, foo]) for p in prompts]
         lps = logprobs_now(trainer, rows)
-        samples = [make_sample(rnd * 8 + i, p, c, lp, 0.75 if c[-1] == newline else -0.25, trainer.version)
-                   for i, ((p, c), lp) in enumerate(zip(rows, lps, strict=True))]
+        samples = [
+            make_sample(rnd * 8 + i, p, c, lp, 0.75 if c[-1] == newline else -0.25, trainer.version)
+            for i, ((p, c), lp) in enumerate(zip(rows, lps, strict=True))
+        ]
         all_ids += xadd_samples(redis_client, samples)
         entries = trainer.collect()
         assert len(entries) == 8

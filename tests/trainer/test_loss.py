@@ -90,8 +90,19 @@ def test_normalizer_makes_micro_batches_add_up(aggregation):
     adv = torch.randn(4)
     full = ppo_loss(logp, old, adv, mask, aggregation=aggregation)
     norm = float(mask.sum()) if aggregation == "token-mean" else 4.0
-    parts = sum(float(ppo_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], aggregation=aggregation,
-                               normalizer=norm).loss) for i in (0, 2))
+    parts = sum(
+        float(
+            ppo_loss(
+                logp[i : i + 2],
+                old[i : i + 2],
+                adv[i : i + 2],
+                mask[i : i + 2],
+                aggregation=aggregation,
+                normalizer=norm,
+            ).loss
+        )
+        for i in (0, 2)
+    )
     assert parts == pytest.approx(float(full.loss), abs=1e-6)
 
 
@@ -111,8 +122,9 @@ def test_entropy_bonus_and_entropy():
     logits = torch.zeros(1, 1, 4)  # uniform over 4 tokens
     ent = token_entropy(logits)
     assert float(ent) == pytest.approx(math.log(4))
-    out = ppo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([0.0]), torch.ones(1, 1),
-                   entropy=ent, entropy_coef=0.01)
+    out = ppo_loss(
+        torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([0.0]), torch.ones(1, 1), entropy=ent, entropy_coef=0.01
+    )
     assert float(out.loss) == pytest.approx(-0.01 * math.log(4))
 
 

@@ -29,8 +29,9 @@ def samples(n: int, start: int = 0, prompt_repeat: int = 1):
     out = []
     for i in range(start, start + n):
         completion = [966, 446, 12258, 24, 104, 25, 198 if i % 2 else 29856]
-        out.append(make_sample(i, PROMPT * prompt_repeat, completion, [-10.8] * len(completion),
-                               0.75 if i % 2 else -0.25))
+        out.append(
+            make_sample(i, PROMPT * prompt_repeat, completion, [-10.8] * len(completion), 0.75 if i % 2 else -0.25)
+        )
     return out
 
 
@@ -38,8 +39,9 @@ def all_manifest_ids(store: CheckpointStore) -> list[str]:
     return [sid for v in store.versions() for sid in store.manifest(v).sample_ids]
 
 
-def test_restart_after_publish_before_ack_skips_trained_and_claims_dead_consumers(tmp_path, redis_client, valkey,
-                                                                                   tiny_model_path):
+def test_restart_after_publish_before_ack_skips_trained_and_claims_dead_consumers(
+    tmp_path, redis_client, valkey, tiny_model_path
+):
     cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path)
     first = Trainer(cfg, redis_client, tiny_model_path)
     first.start()
@@ -75,12 +77,17 @@ def test_restart_after_publish_before_ack_skips_trained_and_claims_dead_consumer
     assert redis_client.xlen(KEYS.samples) == 0
 
 
-def test_kill_9_during_a_step_loses_nothing_and_trains_nothing_twice(tmp_path, redis_client, valkey,
-                                                                    tiny_model_path):
+def test_kill_9_during_a_step_loses_nothing_and_trains_nothing_twice(tmp_path, redis_client, valkey, tiny_model_path):
     port = free_port()
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, checkpoint={"everySteps": 2,
-                         "everySeconds": 1.0}, metricsPort=port, maxSeqLen=256,
-                         algorithm={"staleness": {"maxVersions": 100}})  # all samples come from v0
+    cfg = trainer_config(
+        tmp_path / "ckpt",
+        valkey.url,
+        tiny_model_path,
+        checkpoint={"everySteps": 2, "everySeconds": 1.0},
+        metricsPort=port,
+        maxSeqLen=256,
+        algorithm={"staleness": {"maxVersions": 100}},
+    )  # all samples come from v0
     config_file = tmp_path / "job.yaml"
     config_file.write_text(yaml.safe_dump(cfg.dump()))
     env = {"ONLINERL_CONFIG": str(config_file), "OMP_NUM_THREADS": "1"}
@@ -93,8 +100,12 @@ def test_kill_9_during_a_step_loses_nothing_and_trains_nothing_twice(tmp_path, r
     trainer = Child("trainer", python_module("onlinerl_trainer"), tmp_path / "trainer1.log", env=env).start()
     try:
         # Kill in the middle of the 4th step: v1 is out, step 3 is trained but not in any version yet.
-        wait_for(lambda: status().get("state") == "training" and int(status().get("step", 0)) >= 3, timeout=120,
-                 interval=0.005, what="the trainer to be inside its 4th step")
+        wait_for(
+            lambda: status().get("state") == "training" and int(status().get("step", 0)) >= 3,
+            timeout=120,
+            interval=0.005,
+            what="the trainer to be inside its 4th step",
+        )
         trainer.signal(signal.SIGKILL)
         trainer.proc.wait(10)
     finally:
@@ -125,13 +136,26 @@ def test_kill_9_during_a_step_loses_nothing_and_trains_nothing_twice(tmp_path, r
     assert versions == list(range(1, len(versions) + 1))
     assert all(store.verify(v) for v in versions)
     assert [int(f[b"version"]) for _, f in redis_client.xrange(KEYS.checkpoints)] == versions
-    for name in ("onlinerl_trainer_loss", "onlinerl_trainer_clip_fraction", "onlinerl_trainer_approx_kl",
-                 "onlinerl_trainer_ratio_mean", "onlinerl_trainer_ratio_max", "onlinerl_trainer_reward_mean",
-                 "onlinerl_trainer_advantage_mean", "onlinerl_trainer_advantage_std", "onlinerl_trainer_entropy",
-                 "onlinerl_trainer_grad_norm", "onlinerl_trainer_samples_total", "onlinerl_trainer_tokens_total",
-                 "onlinerl_trainer_steps_total", "onlinerl_trainer_skipped_steps_total",
-                 "onlinerl_trainer_stale_samples_total", "onlinerl_trainer_step_duration_seconds_bucket",
-                 "onlinerl_trainer_sample_staleness_versions_bucket", "onlinerl_trainer_policy_version",
-                 "onlinerl_trainer_last_checkpoint_timestamp_seconds"):
+    for name in (
+        "onlinerl_trainer_loss",
+        "onlinerl_trainer_clip_fraction",
+        "onlinerl_trainer_approx_kl",
+        "onlinerl_trainer_ratio_mean",
+        "onlinerl_trainer_ratio_max",
+        "onlinerl_trainer_reward_mean",
+        "onlinerl_trainer_advantage_mean",
+        "onlinerl_trainer_advantage_std",
+        "onlinerl_trainer_entropy",
+        "onlinerl_trainer_grad_norm",
+        "onlinerl_trainer_samples_total",
+        "onlinerl_trainer_tokens_total",
+        "onlinerl_trainer_steps_total",
+        "onlinerl_trainer_skipped_steps_total",
+        "onlinerl_trainer_stale_samples_total",
+        "onlinerl_trainer_step_duration_seconds_bucket",
+        "onlinerl_trainer_sample_staleness_versions_bucket",
+        "onlinerl_trainer_policy_version",
+        "onlinerl_trainer_last_checkpoint_timestamp_seconds",
+    ):
         assert f"\n{name}" in metrics, name
     assert "recovery: claimed 0, acknowledged" in Path(tmp_path / "trainer2.log").read_text()

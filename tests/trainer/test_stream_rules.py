@@ -34,8 +34,14 @@ def counter(trainer: Trainer, line: str) -> float:
 
 
 def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_client, valkey, tiny_model_path):
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, batchTimeoutSeconds=0.3,
-                         checkpoint={"keep": 2}, algorithm={"staleness": {"maxVersions": 1, "mode": "drop"}})
+    cfg = trainer_config(
+        tmp_path / "ckpt",
+        valkey.url,
+        tiny_model_path,
+        batchTimeoutSeconds=0.3,
+        checkpoint={"keep": 2},
+        algorithm={"staleness": {"maxVersions": 1, "mode": "drop"}},
+    )
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
 

@@ -114,13 +114,23 @@ def _options(p: Panel) -> dict[str, Any]:
             "textMode": "auto",
         }
     if p.kind == "gauge":
-        return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                "showThresholdLabels": False, "showThresholdMarkers": True}
+        return {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "showThresholdLabels": False,
+            "showThresholdMarkers": True,
+        }
     if p.kind == "heatmap":
-        return {"calculate": False, "yAxis": {"axisPlacement": "left"}, "color": {"mode": "scheme",
-                "scheme": "Oranges"}, "cellGap": 1, "tooltip": {"mode": "single", "yHistogram": True}}
-    return {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-            "tooltip": {"mode": "multi", "sort": "desc"}}
+        return {
+            "calculate": False,
+            "yAxis": {"axisPlacement": "left"},
+            "color": {"mode": "scheme", "scheme": "Oranges"},
+            "cellGap": 1,
+            "tooltip": {"mode": "single", "yHistogram": True},
+        }
+    return {
+        "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+        "tooltip": {"mode": "multi", "sort": "desc"},
+    }
 
 
 def layout(items: list[Panel | Row]) -> list[dict[str, Any]]:
@@ -131,25 +141,35 @@ def layout(items: list[Panel | Row]) -> list[dict[str, Any]]:
         if isinstance(item, Row):
             y += line_height
             x, line_height = 0, 0
-            panels.append({"type": "row", "id": pid, "title": item.title, "collapsed": False, "panels": [],
-                           "gridPos": {"x": 0, "y": y, "w": GRID_WIDTH, "h": 1}})
+            panels.append(
+                {
+                    "type": "row",
+                    "id": pid,
+                    "title": item.title,
+                    "collapsed": False,
+                    "panels": [],
+                    "gridPos": {"x": 0, "y": y, "w": GRID_WIDTH, "h": 1},
+                }
+            )
             y += 1
             continue
         if x + item.width > GRID_WIDTH:
             y += line_height
             x, line_height = 0, 0
         refs = "ABCDEFGHIJ"
-        panels.append({
-            "type": item.kind,
-            "id": pid,
-            "title": item.title,
-            "description": item.description,
-            "datasource": DATASOURCE,
-            "gridPos": {"x": x, "y": y, "w": item.width, "h": item.height},
-            "targets": [_target(refs[i], e, leg, item.kind) for i, (e, leg) in enumerate(item.targets)],
-            "fieldConfig": _field_config(item),
-            "options": _options(item),
-        })
+        panels.append(
+            {
+                "type": item.kind,
+                "id": pid,
+                "title": item.title,
+                "description": item.description,
+                "datasource": DATASOURCE,
+                "gridPos": {"x": x, "y": y, "w": item.width, "h": item.height},
+                "targets": [_target(refs[i], e, leg, item.kind) for i, (e, leg) in enumerate(item.targets)],
+                "fieldConfig": _field_config(item),
+                "options": _options(item),
+            }
+        )
         x += item.width
         line_height = max(line_height, item.height)
     return panels
@@ -157,43 +177,99 @@ def layout(items: list[Panel | Row]) -> list[dict[str, Any]]:
 
 def _variables(namespace_metric: str, window: bool) -> list[dict[str, Any]]:
     variables: list[dict[str, Any]] = [
-        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-         "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
-        {"name": "namespace", "label": "Namespace", "type": "query", "datasource": DATASOURCE,
-         "query": {"query": f"label_values({namespace_metric}, namespace)", "refId": "namespace"},
-         "definition": f"label_values({namespace_metric}, namespace)", "includeAll": True, "multi": True,
-         "allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-         "refresh": 2, "sort": 1, "hide": 0, "regex": "", "options": []},
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+            "hide": 0,
+            "refresh": 1,
+            "regex": "",
+            "options": [],
+        },
+        {
+            "name": "namespace",
+            "label": "Namespace",
+            "type": "query",
+            "datasource": DATASOURCE,
+            "query": {"query": f"label_values({namespace_metric}, namespace)", "refId": "namespace"},
+            "definition": f"label_values({namespace_metric}, namespace)",
+            "includeAll": True,
+            "multi": True,
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "refresh": 2,
+            "sort": 1,
+            "hide": 0,
+            "regex": "",
+            "options": [],
+        },
     ]
     if window:
         options = ["5m", "15m", "1h", "6h"]
-        variables.append({
-            "name": "window", "label": "Accept-rate window", "type": "custom", "query": ",".join(options),
-            "current": {"selected": True, "text": "15m", "value": "15m"}, "hide": 0,
-            "options": [{"selected": o == "15m", "text": o, "value": o} for o in options],
-        })
+        variables.append(
+            {
+                "name": "window",
+                "label": "Accept-rate window",
+                "type": "custom",
+                "query": ",".join(options),
+                "current": {"selected": True, "text": "15m", "value": "15m"},
+                "hide": 0,
+                "options": [{"selected": o == "15m", "text": o, "value": o} for o in options],
+            }
+        )
     return variables
 
 
 ANNOTATIONS = [
-    {"name": "Annotations & Alerts", "builtIn": 1, "type": "dashboard", "enable": True, "hide": True,
-     "iconColor": "rgba(0, 211, 255, 1)", "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-     "target": {"limit": 100, "matchAny": False, "tags": [], "type": "dashboard"}},
-    {"name": "Policy reloads", "enable": True, "iconColor": "blue", "datasource": DATASOURCE,
-     "expr": f"sum(increase({sel('onlinerl_reloader_reloads_total', result='success')}[2m])) > 0",
-     "step": "1m", "titleFormat": "policy reloaded", "textFormat": "a new policy version was loaded"},
-    {"name": "Reload failures", "enable": True, "iconColor": "red", "datasource": DATASOURCE,
-     "expr": f"sum(increase({sel('onlinerl_reloader_reloads_total', result='failure')}[2m])) > 0",
-     "step": "1m", "titleFormat": "reload failed", "textFormat": "the reloader could not load a version"},
-    {"name": "Promote / rollback", "enable": True, "iconColor": "purple", "datasource": DATASOURCE,
-     "expr": "sum by (decision) (increase("
-             f"{sel('onlinerl_rollout_decisions_total', decision='~promote|rollback|pin')}[2m])) > 0",
-     "step": "1m", "titleFormat": "{{decision}}", "textFormat": "rollout controller decision"},
+    {
+        "name": "Annotations & Alerts",
+        "builtIn": 1,
+        "type": "dashboard",
+        "enable": True,
+        "hide": True,
+        "iconColor": "rgba(0, 211, 255, 1)",
+        "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+        "target": {"limit": 100, "matchAny": False, "tags": [], "type": "dashboard"},
+    },
+    {
+        "name": "Policy reloads",
+        "enable": True,
+        "iconColor": "blue",
+        "datasource": DATASOURCE,
+        "expr": f"sum(increase({sel('onlinerl_reloader_reloads_total', result='success')}[2m])) > 0",
+        "step": "1m",
+        "titleFormat": "policy reloaded",
+        "textFormat": "a new policy version was loaded",
+    },
+    {
+        "name": "Reload failures",
+        "enable": True,
+        "iconColor": "red",
+        "datasource": DATASOURCE,
+        "expr": f"sum(increase({sel('onlinerl_reloader_reloads_total', result='failure')}[2m])) > 0",
+        "step": "1m",
+        "titleFormat": "reload failed",
+        "textFormat": "the reloader could not load a version",
+    },
+    {
+        "name": "Promote / rollback",
+        "enable": True,
+        "iconColor": "purple",
+        "datasource": DATASOURCE,
+        "expr": "sum by (decision) (increase("
+        f"{sel('onlinerl_rollout_decisions_total', decision='~promote|rollback|pin')}[2m])) > 0",
+        "step": "1m",
+        "titleFormat": "{{decision}}",
+        "textFormat": "rollout controller decision",
+    },
 ]
 
 
-def dashboard(uid: str, title: str, description: str, items: list[Panel | Row], namespace_metric: str,
-              window: bool = False) -> dict[str, Any]:
+def dashboard(
+    uid: str, title: str, description: str, items: list[Panel | Row], namespace_metric: str, window: bool = False
+) -> dict[str, Any]:
     return {
         "uid": uid,
         "title": title,
@@ -208,8 +284,16 @@ def dashboard(uid: str, title: str, description: str, items: list[Panel | Row], 
         "timepicker": {},
         "timezone": "browser",
         "annotations": {"list": ANNOTATIONS},
-        "links": [{"title": "OnlineRL dashboards", "type": "dashboards", "tags": ["onlinerl"], "asDropdown": True,
-                   "includeVars": True, "keepTime": True}],
+        "links": [
+            {
+                "title": "OnlineRL dashboards",
+                "type": "dashboards",
+                "tags": ["onlinerl"],
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+            }
+        ],
         "templating": {"list": _variables(namespace_metric, window)},
         "panels": layout(items),
     }
@@ -225,104 +309,277 @@ REQ = "onlinerl_serving_requests_total"
 
 def _accept_rate(by: str, window: str = "$window", **labels: str) -> str:
     grouping = f" by ({by})" if by else ""
-    return (f"sum{grouping} (rate({sel(ACC, **labels)}[{window}]))\n"
-            f"/ sum{grouping} (rate({sel(SHOWN, **labels)}[{window}]))")
+    return (
+        f"sum{grouping} (rate({sel(ACC, **labels)}[{window}]))\n"
+        f"/ sum{grouping} (rate({sel(SHOWN, **labels)}[{window}]))"
+    )
 
 
 def learning() -> dict[str, Any]:
     pct = [(None, "red"), (0.2, "orange"), (0.3, "green")]
     items: list[Panel | Row] = [
         Row("Is the policy getting better?"),
-        Panel("Accept rate · stable (window)", "stat", [(_accept_rate("", arm="stable"), "stable")], "percentunit",
-              width=4, height=5, decimals=1, thresholds=pct),
-        Panel("Accept rate · candidate (window)", "stat", [(_accept_rate("", arm="candidate"), "candidate")],
-              "percentunit", width=4, height=5, decimals=1, thresholds=pct),
-        Panel("Stable version", "stat", [(f"max({sel('onlinerl_serving_policy_version', role='stable')})", "stable")],
-              width=4, height=5, decimals=0),
-        Panel("Candidate version", "stat",
-              [(f"max({sel('onlinerl_serving_policy_version', role='candidate')})", "candidate")],
-              width=4, height=5, decimals=0),
-        Panel("P(candidate better)", "gauge", [(f"max({sel('onlinerl_rollout_candidate_win_probability')})", "")],
-              "percentunit", width=4, height=5, min=0, max=1, decimals=0,
-              thresholds=[(None, "red"), (0.05, "orange"), (0.95, "green")]),
-        Panel("Accepted per 100 requests (window)", "stat",
-              [(f"100 * sum(rate({sel(ACC)}[$window])) / sum(rate({sel(REQ, code='200')}[$window]))", "")],
-              width=4, height=5, decimals=1),
-        Panel("Accept rate by policy version and arm", "timeseries",
-              [(_accept_rate("version, arm"), "v{{version}} {{arm}}")], "percentunit", width=24, height=9, min=0,
-              max=1, description="accepted / shown suggestions per policy version and arm, over $window. "
-              "The loop learns when newer versions sit above older ones."),
-        Panel("Suggestions per request by arm", "timeseries",
-              [(f"sum by (arm) (rate({sel(SHOWN)}[$window]))\n/ sum by (arm) (rate({sel(REQ, code='200')}[$window]))",
-                "{{arm}}")], "percentunit", min=0, description="Shown (non-empty) suggestions per served request: "
-              "a policy that learns to stay silent lowers this."),
-        Panel("Accepted per 100 requests by arm", "timeseries",
-              [(f"100 * sum by (arm) (rate({sel(ACC)}[$window]))\n/ sum by (arm) (rate({sel(REQ, code='200')}"
-                "[$window]))", "{{arm}}")], min=0,
-              description="The product metric: accepts per 100 completion requests (silence is not free)."),
+        Panel(
+            "Accept rate · stable (window)",
+            "stat",
+            [(_accept_rate("", arm="stable"), "stable")],
+            "percentunit",
+            width=4,
+            height=5,
+            decimals=1,
+            thresholds=pct,
+        ),
+        Panel(
+            "Accept rate · candidate (window)",
+            "stat",
+            [(_accept_rate("", arm="candidate"), "candidate")],
+            "percentunit",
+            width=4,
+            height=5,
+            decimals=1,
+            thresholds=pct,
+        ),
+        Panel(
+            "Stable version",
+            "stat",
+            [(f"max({sel('onlinerl_serving_policy_version', role='stable')})", "stable")],
+            width=4,
+            height=5,
+            decimals=0,
+        ),
+        Panel(
+            "Candidate version",
+            "stat",
+            [(f"max({sel('onlinerl_serving_policy_version', role='candidate')})", "candidate")],
+            width=4,
+            height=5,
+            decimals=0,
+        ),
+        Panel(
+            "P(candidate better)",
+            "gauge",
+            [(f"max({sel('onlinerl_rollout_candidate_win_probability')})", "")],
+            "percentunit",
+            width=4,
+            height=5,
+            min=0,
+            max=1,
+            decimals=0,
+            thresholds=[(None, "red"), (0.05, "orange"), (0.95, "green")],
+        ),
+        Panel(
+            "Accepted per 100 requests (window)",
+            "stat",
+            [(f"100 * sum(rate({sel(ACC)}[$window])) / sum(rate({sel(REQ, code='200')}[$window]))", "")],
+            width=4,
+            height=5,
+            decimals=1,
+        ),
+        Panel(
+            "Accept rate by policy version and arm",
+            "timeseries",
+            [(_accept_rate("version, arm"), "v{{version}} {{arm}}")],
+            "percentunit",
+            width=24,
+            height=9,
+            min=0,
+            max=1,
+            description="accepted / shown suggestions per policy version and arm, over $window. "
+            "The loop learns when newer versions sit above older ones.",
+        ),
+        Panel(
+            "Suggestions per request by arm",
+            "timeseries",
+            [
+                (
+                    f"sum by (arm) (rate({sel(SHOWN)}[$window]))\n/ sum by (arm) (rate({sel(REQ, code='200')}[$window]))",
+                    "{{arm}}",
+                )
+            ],
+            "percentunit",
+            min=0,
+            description="Shown (non-empty) suggestions per served request: "
+            "a policy that learns to stay silent lowers this.",
+        ),
+        Panel(
+            "Accepted per 100 requests by arm",
+            "timeseries",
+            [
+                (
+                    f"100 * sum by (arm) (rate({sel(ACC)}[$window]))\n/ sum by (arm) (rate({sel(REQ, code='200')}"
+                    "[$window]))",
+                    "{{arm}}",
+                )
+            ],
+            min=0,
+            description="The product metric: accepts per 100 completion requests (silence is not free).",
+        ),
         Row("Safe rollout"),
-        Panel("Controller accept rate (posterior input)", "timeseries",
-              [(f"max by (version, arm) ({sel('onlinerl_rollout_accept_rate')})", "v{{version}} {{arm}}")],
-              "percentunit", width=8, min=0, max=1),
-        Panel("P(candidate better than stable)", "timeseries",
-              [(f"max({sel('onlinerl_rollout_candidate_win_probability')})", "P(win)")], "percentunit", width=8,
-              min=0, max=1),
-        Panel("Rollout decisions", "timeseries",
-              [(f"sum by (decision) (increase({sel('onlinerl_rollout_decisions_total')}[$__rate_interval]))",
-                "{{decision}}")], width=8, bars=True, stacked=True, decimals=0),
-        Panel("Served completions by arm", "timeseries",
-              [(f"sum by (arm) (rate({sel('onlinerl_serving_rollouts_recorded_total')}[$__rate_interval]))",
-                "{{arm}}")], "reqps", width=12, stacked=True),
-        Panel("Feedback shown vs accepted by arm", "timeseries",
-              [(f"sum by (arm) (rate({sel(SHOWN)}[$__rate_interval]))", "shown {{arm}}"),
-               (f"sum by (arm) (rate({sel(ACC)}[$__rate_interval]))", "accepted {{arm}}")], "ops", width=12),
+        Panel(
+            "Controller accept rate (posterior input)",
+            "timeseries",
+            [(f"max by (version, arm) ({sel('onlinerl_rollout_accept_rate')})", "v{{version}} {{arm}}")],
+            "percentunit",
+            width=8,
+            min=0,
+            max=1,
+        ),
+        Panel(
+            "P(candidate better than stable)",
+            "timeseries",
+            [(f"max({sel('onlinerl_rollout_candidate_win_probability')})", "P(win)")],
+            "percentunit",
+            width=8,
+            min=0,
+            max=1,
+        ),
+        Panel(
+            "Rollout decisions",
+            "timeseries",
+            [
+                (
+                    f"sum by (decision) (increase({sel('onlinerl_rollout_decisions_total')}[$__rate_interval]))",
+                    "{{decision}}",
+                )
+            ],
+            width=8,
+            bars=True,
+            stacked=True,
+            decimals=0,
+        ),
+        Panel(
+            "Served completions by arm",
+            "timeseries",
+            [(f"sum by (arm) (rate({sel('onlinerl_serving_rollouts_recorded_total')}[$__rate_interval]))", "{{arm}}")],
+            "reqps",
+            width=12,
+            stacked=True,
+        ),
+        Panel(
+            "Feedback shown vs accepted by arm",
+            "timeseries",
+            [
+                (f"sum by (arm) (rate({sel(SHOWN)}[$__rate_interval]))", "shown {{arm}}"),
+                (f"sum by (arm) (rate({sel(ACC)}[$__rate_interval]))", "accepted {{arm}}"),
+            ],
+            "ops",
+            width=12,
+        ),
     ]
-    return dashboard("onlinerl-learning", "OnlineRL · Learning",
-                     "Accept rate by policy version and arm, and the canary controller's view.", items,
-                     "onlinerl_feedback_shown_total", window=True)
+    return dashboard(
+        "onlinerl-learning",
+        "OnlineRL · Learning",
+        "Accept rate by policy version and arm, and the canary controller's view.",
+        items,
+        "onlinerl_feedback_shown_total",
+        window=True,
+    )
 
 
 def feedback() -> dict[str, Any]:
     items: list[Panel | Row] = [
         Row("Feedback intake"),
-        Panel("Events/s", "stat", [(f"sum(rate({sel('onlinerl_feedback_events_total')}[5m]))", "")], "ops",
-              width=6, height=5),
-        Panel("Join miss ratio (5m)", "stat",
-              [(f"sum(rate({sel('onlinerl_feedback_join_misses_total')}[5m]))\n"
-                f"/ sum(rate({sel('onlinerl_feedback_events_total')}[5m]))", "")], "percentunit", width=6, height=5,
-              thresholds=[(None, "green"), (0.05, "orange"), (0.2, "red")]),
-        Panel("Backlog (unconsumed samples)", "stat", [(f"max({sel('onlinerl_feedback_backlog')})", "")], width=6,
-              height=5, thresholds=[(None, "green"), (1000, "orange"), (10000, "red")]),
-        Panel("Consumer lag (never delivered)", "stat", [(f"max({sel('onlinerl_feedback_consumer_lag')})", "")],
-              width=6, height=5, thresholds=[(None, "green"), (1000, "orange"), (10000, "red")]),
-        Panel("Feedback rate by outcome", "timeseries",
-              [(f"sum by (outcome) (rate({sel('onlinerl_feedback_events_total')}[$__rate_interval]))", "{{outcome}}")],
-              "ops", stacked=True,
-              description="accepted_for_training reaches the trainer; unmatched is audited only (poisoning guard)."),
-        Panel("Join misses by reason", "timeseries",
-              [(f"sum by (reason) (rate({sel('onlinerl_feedback_join_misses_total')}[$__rate_interval]))",
-                "{{reason}}")], "ops", stacked=True,
-              description="no_rollout: the rollout record expired or was never written; text_mismatch: the shown "
-              "text is not a prefix of what was generated."),
-        Panel("Backlog and consumer lag", "timeseries",
-              [(f"max({sel('onlinerl_feedback_backlog')})", "backlog (XLEN samples)"),
-               (f"max({sel('onlinerl_feedback_consumer_lag')})", "consumer lag (group trainers)")],
-              description="Backlog falls only when the trainer acknowledges after a durable checkpoint."),
-        Panel("Responses by code", "timeseries",
-              [(f"sum by (code) (rate({sel('onlinerl_feedback_responses_total')}[$__rate_interval]))", "{{code}}")],
-              "reqps", stacked=True, description="429 = backlog over feedback.maxBacklog, 503 = Redis unavailable."),
-        Panel("Feedback request latency", "timeseries",
-              [(quantile(0.5, "onlinerl_feedback_request_duration_seconds"), "p50"),
-               (quantile(0.95, "onlinerl_feedback_request_duration_seconds"), "p95"),
-               (quantile(0.99, "onlinerl_feedback_request_duration_seconds"), "p99")], "s"),
-        Panel("Rollout records (gateway side of the join)", "timeseries",
-              [(f"sum(rate({sel('onlinerl_serving_rollouts_recorded_total')}[$__rate_interval]))", "recorded"),
-               (f"sum(rate({sel('onlinerl_serving_rollout_record_errors_total')}[$__rate_interval]))", "errors")],
-              "ops", description="A record error means that completion's feedback can never be joined."),
+        Panel(
+            "Events/s",
+            "stat",
+            [(f"sum(rate({sel('onlinerl_feedback_events_total')}[5m]))", "")],
+            "ops",
+            width=6,
+            height=5,
+        ),
+        Panel(
+            "Join miss ratio (5m)",
+            "stat",
+            [
+                (
+                    f"sum(rate({sel('onlinerl_feedback_join_misses_total')}[5m]))\n"
+                    f"/ sum(rate({sel('onlinerl_feedback_events_total')}[5m]))",
+                    "",
+                )
+            ],
+            "percentunit",
+            width=6,
+            height=5,
+            thresholds=[(None, "green"), (0.05, "orange"), (0.2, "red")],
+        ),
+        Panel(
+            "Backlog (unconsumed samples)",
+            "stat",
+            [(f"max({sel('onlinerl_feedback_backlog')})", "")],
+            width=6,
+            height=5,
+            thresholds=[(None, "green"), (1000, "orange"), (10000, "red")],
+        ),
+        Panel(
+            "Consumer lag (never delivered)",
+            "stat",
+            [(f"max({sel('onlinerl_feedback_consumer_lag')})", "")],
+            width=6,
+            height=5,
+            thresholds=[(None, "green"), (1000, "orange"), (10000, "red")],
+        ),
+        Panel(
+            "Feedback rate by outcome",
+            "timeseries",
+            [(f"sum by (outcome) (rate({sel('onlinerl_feedback_events_total')}[$__rate_interval]))", "{{outcome}}")],
+            "ops",
+            stacked=True,
+            description="accepted_for_training reaches the trainer; unmatched is audited only (poisoning guard).",
+        ),
+        Panel(
+            "Join misses by reason",
+            "timeseries",
+            [(f"sum by (reason) (rate({sel('onlinerl_feedback_join_misses_total')}[$__rate_interval]))", "{{reason}}")],
+            "ops",
+            stacked=True,
+            description="no_rollout: the rollout record expired or was never written; text_mismatch: the shown "
+            "text is not a prefix of what was generated.",
+        ),
+        Panel(
+            "Backlog and consumer lag",
+            "timeseries",
+            [
+                (f"max({sel('onlinerl_feedback_backlog')})", "backlog (XLEN samples)"),
+                (f"max({sel('onlinerl_feedback_consumer_lag')})", "consumer lag (group trainers)"),
+            ],
+            description="Backlog falls only when the trainer acknowledges after a durable checkpoint.",
+        ),
+        Panel(
+            "Responses by code",
+            "timeseries",
+            [(f"sum by (code) (rate({sel('onlinerl_feedback_responses_total')}[$__rate_interval]))", "{{code}}")],
+            "reqps",
+            stacked=True,
+            description="429 = backlog over feedback.maxBacklog, 503 = Redis unavailable.",
+        ),
+        Panel(
+            "Feedback request latency",
+            "timeseries",
+            [
+                (quantile(0.5, "onlinerl_feedback_request_duration_seconds"), "p50"),
+                (quantile(0.95, "onlinerl_feedback_request_duration_seconds"), "p95"),
+                (quantile(0.99, "onlinerl_feedback_request_duration_seconds"), "p99"),
+            ],
+            "s",
+        ),
+        Panel(
+            "Rollout records (gateway side of the join)",
+            "timeseries",
+            [
+                (f"sum(rate({sel('onlinerl_serving_rollouts_recorded_total')}[$__rate_interval]))", "recorded"),
+                (f"sum(rate({sel('onlinerl_serving_rollout_record_errors_total')}[$__rate_interval]))", "errors"),
+            ],
+            "ops",
+            description="A record error means that completion's feedback can never be joined.",
+        ),
     ]
-    return dashboard("onlinerl-feedback", "OnlineRL · Feedback pipeline",
-                     "From Continue's accept/reject uploads to training samples on the stream.", items,
-                     "onlinerl_feedback_events_total")
+    return dashboard(
+        "onlinerl-feedback",
+        "OnlineRL · Feedback pipeline",
+        "From Continue's accept/reject uploads to training samples on the stream.",
+        items,
+        "onlinerl_feedback_events_total",
+    )
 
 
 def trainer() -> dict[str, Any]:
@@ -331,141 +588,367 @@ def trainer() -> dict[str, Any]:
 
     items: list[Panel | Row] = [
         Row("Progress"),
-        Panel("Published policy version", "stat", [(gauge("onlinerl_trainer_policy_version"), "")], width=6,
-              height=5, decimals=0),
-        Panel("Samples/s", "stat", [(f"sum(rate({sel('onlinerl_trainer_samples_total')}[5m]))", "")], width=6,
-              height=5),
-        Panel("Steps (1h)", "stat", [(f"sum(increase({sel('onlinerl_trainer_steps_total')}[1h]))", "")], width=6,
-              height=5, decimals=0),
-        Panel("Since last checkpoint", "stat",
-              [(f"time() - max({sel('onlinerl_trainer_last_checkpoint_timestamp_seconds')})", "")], "s", width=6,
-              height=5, thresholds=[(None, "green"), (900, "orange"), (3600, "red")]),
+        Panel(
+            "Published policy version",
+            "stat",
+            [(gauge("onlinerl_trainer_policy_version"), "")],
+            width=6,
+            height=5,
+            decimals=0,
+        ),
+        Panel(
+            "Samples/s", "stat", [(f"sum(rate({sel('onlinerl_trainer_samples_total')}[5m]))", "")], width=6, height=5
+        ),
+        Panel(
+            "Steps (1h)",
+            "stat",
+            [(f"sum(increase({sel('onlinerl_trainer_steps_total')}[1h]))", "")],
+            width=6,
+            height=5,
+            decimals=0,
+        ),
+        Panel(
+            "Since last checkpoint",
+            "stat",
+            [(f"time() - max({sel('onlinerl_trainer_last_checkpoint_timestamp_seconds')})", "")],
+            "s",
+            width=6,
+            height=5,
+            thresholds=[(None, "green"), (900, "orange"), (3600, "red")],
+        ),
         Row("PPO"),
         Panel("Loss", "timeseries", [(gauge("onlinerl_trainer_loss"), "loss")], width=8),
-        Panel("Clip fraction", "timeseries", [(gauge("onlinerl_trainer_clip_fraction"), "clip fraction")],
-              "percentunit", width=8, min=0,
-              description="Share of tokens whose ratio hit the PPO clip: high means the policy moved far."),
-        Panel("Approx KL (behaviour → current)", "timeseries", [(gauge("onlinerl_trainer_approx_kl"), "KL")],
-              width=8),
-        Panel("Reward and advantage", "timeseries",
-              [(gauge("onlinerl_trainer_reward_mean"), "reward mean"),
-               (gauge("onlinerl_trainer_advantage_mean"), "advantage mean"),
-               (gauge("onlinerl_trainer_advantage_std"), "advantage std")], width=8),
-        Panel("Importance ratio", "timeseries",
-              [(gauge("onlinerl_trainer_ratio_mean"), "mean"), (gauge("onlinerl_trainer_ratio_max"), "max")],
-              width=8),
-        Panel("Entropy and grad norm", "timeseries",
-              [(gauge("onlinerl_trainer_entropy"), "entropy"), (gauge("onlinerl_trainer_grad_norm"), "grad norm")],
-              width=8),
+        Panel(
+            "Clip fraction",
+            "timeseries",
+            [(gauge("onlinerl_trainer_clip_fraction"), "clip fraction")],
+            "percentunit",
+            width=8,
+            min=0,
+            description="Share of tokens whose ratio hit the PPO clip: high means the policy moved far.",
+        ),
+        Panel("Approx KL (behaviour → current)", "timeseries", [(gauge("onlinerl_trainer_approx_kl"), "KL")], width=8),
+        Panel(
+            "Reward and advantage",
+            "timeseries",
+            [
+                (gauge("onlinerl_trainer_reward_mean"), "reward mean"),
+                (gauge("onlinerl_trainer_advantage_mean"), "advantage mean"),
+                (gauge("onlinerl_trainer_advantage_std"), "advantage std"),
+            ],
+            width=8,
+        ),
+        Panel(
+            "Importance ratio",
+            "timeseries",
+            [(gauge("onlinerl_trainer_ratio_mean"), "mean"), (gauge("onlinerl_trainer_ratio_max"), "max")],
+            width=8,
+        ),
+        Panel(
+            "Entropy and grad norm",
+            "timeseries",
+            [(gauge("onlinerl_trainer_entropy"), "entropy"), (gauge("onlinerl_trainer_grad_norm"), "grad norm")],
+            width=8,
+        ),
         Row("Throughput and staleness"),
-        Panel("Samples/s and tokens/s", "timeseries",
-              [(f"sum(rate({sel('onlinerl_trainer_samples_total')}[$__rate_interval]))", "samples/s"),
-               (f"sum(rate({sel('onlinerl_trainer_tokens_total')}[$__rate_interval]))", "tokens/s")], width=8),
-        Panel("Step time", "timeseries",
-              [(quantile(0.5, "onlinerl_trainer_step_duration_seconds"), "p50"),
-               (quantile(0.95, "onlinerl_trainer_step_duration_seconds"), "p95")], "s", width=8),
-        Panel("Skipped steps by reason", "timeseries",
-              [(f"sum by (reason) (increase({sel('onlinerl_trainer_skipped_steps_total')}[$__rate_interval]))",
-                "{{reason}}")], width=8, bars=True, decimals=0),
-        Panel("Sample staleness (versions behind)", "timeseries",
-              [(quantile(0.5, "onlinerl_trainer_sample_staleness_versions"), "p50"),
-               (quantile(0.95, "onlinerl_trainer_sample_staleness_versions"), "p95")], width=8, min=0,
-              description="Policy versions between the one that generated a sample and the one training on it."),
-        Panel("Staleness distribution", "heatmap",
-              [(f"sum by (le) (increase({sel('onlinerl_trainer_sample_staleness_versions_bucket')}"
-                "[$__rate_interval]))", "")], width=8),
-        Panel("Stale samples by action", "timeseries",
-              [(f"sum by (action) (rate({sel('onlinerl_trainer_stale_samples_total')}[$__rate_interval]))",
-                "{{action}}")], "ops", width=8, stacked=True),
-        Panel("Last step: samples/s and tokens/s", "timeseries",
-              [(gauge("onlinerl_trainer_samples_per_second"), "samples/s"),
-               (gauge("onlinerl_trainer_tokens_per_second"), "tokens/s")], width=12,
-              description="Throughput of the most recent step alone (the rate panels average over the window)."),
-        Panel("Invalid stream entries", "timeseries",
-              [(f"sum(increase({sel('onlinerl_trainer_invalid_samples_total')}[$__rate_interval]))", "invalid")],
-              width=12, bars=True, decimals=0,
-              description="Samples-stream entries that are not a valid TrainingSample: acknowledged, not trained."),
+        Panel(
+            "Samples/s and tokens/s",
+            "timeseries",
+            [
+                (f"sum(rate({sel('onlinerl_trainer_samples_total')}[$__rate_interval]))", "samples/s"),
+                (f"sum(rate({sel('onlinerl_trainer_tokens_total')}[$__rate_interval]))", "tokens/s"),
+            ],
+            width=8,
+        ),
+        Panel(
+            "Step time",
+            "timeseries",
+            [
+                (quantile(0.5, "onlinerl_trainer_step_duration_seconds"), "p50"),
+                (quantile(0.95, "onlinerl_trainer_step_duration_seconds"), "p95"),
+            ],
+            "s",
+            width=8,
+        ),
+        Panel(
+            "Skipped steps by reason",
+            "timeseries",
+            [
+                (
+                    f"sum by (reason) (increase({sel('onlinerl_trainer_skipped_steps_total')}[$__rate_interval]))",
+                    "{{reason}}",
+                )
+            ],
+            width=8,
+            bars=True,
+            decimals=0,
+        ),
+        Panel(
+            "Sample staleness (versions behind)",
+            "timeseries",
+            [
+                (quantile(0.5, "onlinerl_trainer_sample_staleness_versions"), "p50"),
+                (quantile(0.95, "onlinerl_trainer_sample_staleness_versions"), "p95"),
+            ],
+            width=8,
+            min=0,
+            description="Policy versions between the one that generated a sample and the one training on it.",
+        ),
+        Panel(
+            "Staleness distribution",
+            "heatmap",
+            [
+                (
+                    f"sum by (le) (increase({sel('onlinerl_trainer_sample_staleness_versions_bucket')}"
+                    "[$__rate_interval]))",
+                    "",
+                )
+            ],
+            width=8,
+        ),
+        Panel(
+            "Stale samples by action",
+            "timeseries",
+            [
+                (
+                    f"sum by (action) (rate({sel('onlinerl_trainer_stale_samples_total')}[$__rate_interval]))",
+                    "{{action}}",
+                )
+            ],
+            "ops",
+            width=8,
+            stacked=True,
+        ),
+        Panel(
+            "Last step: samples/s and tokens/s",
+            "timeseries",
+            [
+                (gauge("onlinerl_trainer_samples_per_second"), "samples/s"),
+                (gauge("onlinerl_trainer_tokens_per_second"), "tokens/s"),
+            ],
+            width=12,
+            description="Throughput of the most recent step alone (the rate panels average over the window).",
+        ),
+        Panel(
+            "Invalid stream entries",
+            "timeseries",
+            [(f"sum(increase({sel('onlinerl_trainer_invalid_samples_total')}[$__rate_interval]))", "invalid")],
+            width=12,
+            bars=True,
+            decimals=0,
+            description="Samples-stream entries that are not a valid TrainingSample: acknowledged, not trained.",
+        ),
     ]
-    return dashboard("onlinerl-trainer", "OnlineRL · Trainer",
-                     "PPO health: loss, clipping, KL, reward, throughput, step time and sample staleness.", items,
-                     "onlinerl_trainer_steps_total")
+    return dashboard(
+        "onlinerl-trainer",
+        "OnlineRL · Trainer",
+        "PPO health: loss, clipping, KL, reward, throughput, step time and sample staleness.",
+        items,
+        "onlinerl_trainer_steps_total",
+    )
 
 
 def serving() -> dict[str, Any]:
     items: list[Panel | Row] = [
         Row("Policy versions"),
-        Panel("Loaded versions", "stat", [(f"max({sel('onlinerl_reloader_loaded_versions')})", "")], width=6,
-              height=5, decimals=0),
-        Panel("Since last reload", "stat",
-              [(f"time() - max({sel('onlinerl_reloader_last_reload_timestamp_seconds')})", "")], "s", width=6,
-              height=5),
-        Panel("Reload p95", "stat", [(quantile(0.95, "onlinerl_reloader_reload_duration_seconds", window="1h"), "")],
-              "s", width=6, height=5),
-        Panel("Abandoned versions (24h)", "stat",
-              [(f"sum(increase({sel('onlinerl_reloader_failed_versions_total')}[24h]))", "")], width=6, height=5,
-              decimals=0, thresholds=[(None, "green"), (1, "red")]),
-        Panel("Policy version timeline", "timeseries",
-              [(f"max by (role) ({sel('onlinerl_serving_policy_version')})", "gateway {{role}}"),
-               (f"max({sel('onlinerl_reloader_serving_version')})", "reloader serving"),
-               (f"max({sel('onlinerl_trainer_policy_version')})", "trainer published")], width=24, height=9,
-              stepped=True, decimals=0,
-              description="Trainer publishes, reloader loads, gateway routes: the gap is the learning latency."),
-        Panel("Reload events", "timeseries",
-              [(f"sum by (result) (increase({sel('onlinerl_reloader_reloads_total')}[$__rate_interval]))",
-                "{{result}}")], width=12, bars=True, decimals=0),
-        Panel("Reload duration", "timeseries",
-              [(quantile(0.5, "onlinerl_reloader_reload_duration_seconds"), "p50"),
-               (quantile(0.95, "onlinerl_reloader_reload_duration_seconds"), "p95")], "s", width=12),
+        Panel(
+            "Loaded versions",
+            "stat",
+            [(f"max({sel('onlinerl_reloader_loaded_versions')})", "")],
+            width=6,
+            height=5,
+            decimals=0,
+        ),
+        Panel(
+            "Since last reload",
+            "stat",
+            [(f"time() - max({sel('onlinerl_reloader_last_reload_timestamp_seconds')})", "")],
+            "s",
+            width=6,
+            height=5,
+        ),
+        Panel(
+            "Reload p95",
+            "stat",
+            [(quantile(0.95, "onlinerl_reloader_reload_duration_seconds", window="1h"), "")],
+            "s",
+            width=6,
+            height=5,
+        ),
+        Panel(
+            "Abandoned versions (24h)",
+            "stat",
+            [(f"sum(increase({sel('onlinerl_reloader_failed_versions_total')}[24h]))", "")],
+            width=6,
+            height=5,
+            decimals=0,
+            thresholds=[(None, "green"), (1, "red")],
+        ),
+        Panel(
+            "Policy version timeline",
+            "timeseries",
+            [
+                (f"max by (role) ({sel('onlinerl_serving_policy_version')})", "gateway {{role}}"),
+                (f"max({sel('onlinerl_reloader_serving_version')})", "reloader serving"),
+                (f"max({sel('onlinerl_trainer_policy_version')})", "trainer published"),
+            ],
+            width=24,
+            height=9,
+            stepped=True,
+            decimals=0,
+            description="Trainer publishes, reloader loads, gateway routes: the gap is the learning latency.",
+        ),
+        Panel(
+            "Reload events",
+            "timeseries",
+            [(f"sum by (result) (increase({sel('onlinerl_reloader_reloads_total')}[$__rate_interval]))", "{{result}}")],
+            width=12,
+            bars=True,
+            decimals=0,
+        ),
+        Panel(
+            "Reload duration",
+            "timeseries",
+            [
+                (quantile(0.5, "onlinerl_reloader_reload_duration_seconds"), "p50"),
+                (quantile(0.95, "onlinerl_reloader_reload_duration_seconds"), "p95"),
+            ],
+            "s",
+            width=12,
+        ),
         Row("Gateway"),
-        Panel("Requests by code", "timeseries",
-              [(f"sum by (code) (rate({sel(REQ)}[$__rate_interval]))", "{{code}}")], "reqps", width=8, stacked=True),
-        Panel("5xx ratio", "timeseries",
-              [(f"sum(rate({sel(REQ, code='~5..')}[$__rate_interval]))\n/ sum(rate({sel(REQ)}[$__rate_interval]))",
-                "5xx")], "percentunit", width=8, min=0),
-        Panel("In flight and engine up", "timeseries",
-              [(f"sum({sel('onlinerl_serving_inflight_requests')})", "in flight"),
-               (f"min({sel('onlinerl_serving_engine_up')})", "engine up (min over replicas)")], width=8),
-        Panel("Request duration by stream", "timeseries",
-              [(quantile(0.5, "onlinerl_serving_request_duration_seconds", by="stream"), "p50 stream={{stream}}"),
-               (quantile(0.99, "onlinerl_serving_request_duration_seconds", by="stream"), "p99 stream={{stream}}")],
-              "s", width=8),
-        Panel("Time to first token (gateway)", "timeseries",
-              [(quantile(0.5, "onlinerl_serving_ttft_seconds"), "p50"),
-               (quantile(0.99, "onlinerl_serving_ttft_seconds"), "p99")], "s", width=8),
-        Panel("Gateway overhead", "timeseries",
-              [(quantile(0.5, "onlinerl_serving_gateway_overhead_seconds"), "p50"),
-               (quantile(0.99, "onlinerl_serving_gateway_overhead_seconds"), "p99")], "s", width=8,
-              description="Time the gateway adds on top of vLLM (routing, recording the rollout)."),
+        Panel(
+            "Requests by code",
+            "timeseries",
+            [(f"sum by (code) (rate({sel(REQ)}[$__rate_interval]))", "{{code}}")],
+            "reqps",
+            width=8,
+            stacked=True,
+        ),
+        Panel(
+            "5xx ratio",
+            "timeseries",
+            [
+                (
+                    f"sum(rate({sel(REQ, code='~5..')}[$__rate_interval]))\n/ sum(rate({sel(REQ)}[$__rate_interval]))",
+                    "5xx",
+                )
+            ],
+            "percentunit",
+            width=8,
+            min=0,
+        ),
+        Panel(
+            "In flight and engine up",
+            "timeseries",
+            [
+                (f"sum({sel('onlinerl_serving_inflight_requests')})", "in flight"),
+                (f"min({sel('onlinerl_serving_engine_up')})", "engine up (min over replicas)"),
+            ],
+            width=8,
+        ),
+        Panel(
+            "Request duration by stream",
+            "timeseries",
+            [
+                (quantile(0.5, "onlinerl_serving_request_duration_seconds", by="stream"), "p50 stream={{stream}}"),
+                (quantile(0.99, "onlinerl_serving_request_duration_seconds", by="stream"), "p99 stream={{stream}}"),
+            ],
+            "s",
+            width=8,
+        ),
+        Panel(
+            "Time to first token (gateway)",
+            "timeseries",
+            [
+                (quantile(0.5, "onlinerl_serving_ttft_seconds"), "p50"),
+                (quantile(0.99, "onlinerl_serving_ttft_seconds"), "p99"),
+            ],
+            "s",
+            width=8,
+        ),
+        Panel(
+            "Gateway overhead",
+            "timeseries",
+            [
+                (quantile(0.5, "onlinerl_serving_gateway_overhead_seconds"), "p50"),
+                (quantile(0.99, "onlinerl_serving_gateway_overhead_seconds"), "p99"),
+            ],
+            "s",
+            width=8,
+            description="Time the gateway adds on top of vLLM (routing, recording the rollout).",
+        ),
         Row("vLLM engine"),
-        Panel("vLLM time to first token", "timeseries",
-              [(quantile(0.5, "vllm:time_to_first_token_seconds"), "p50"),
-               (quantile(0.99, "vllm:time_to_first_token_seconds"), "p99")], "s", width=8),
-        Panel("vLLM end-to-end latency", "timeseries",
-              [(quantile(0.5, "vllm:e2e_request_latency_seconds"), "p50"),
-               (quantile(0.99, "vllm:e2e_request_latency_seconds"), "p99")], "s", width=8),
-        Panel("vLLM throughput", "timeseries",
-              [(f"sum(rate({sel('vllm:generation_tokens_total')}[$__rate_interval]))", "generated tokens/s"),
-               (f"sum(rate({sel('vllm:prompt_tokens_total')}[$__rate_interval]))", "prompt tokens/s")], width=8),
-        Panel("vLLM KV-cache usage", "timeseries",
-              [(f"max by (pod) ({sel('vllm:kv_cache_usage_perc')})", "{{pod}}")], "percentunit", width=12, min=0,
-              max=1),
-        Panel("vLLM requests running / waiting", "timeseries",
-              [(f"sum({sel('vllm:num_requests_running')})", "running"),
-               (f"sum({sel('vllm:num_requests_waiting')})", "waiting")], width=12),
+        Panel(
+            "vLLM time to first token",
+            "timeseries",
+            [
+                (quantile(0.5, "vllm:time_to_first_token_seconds"), "p50"),
+                (quantile(0.99, "vllm:time_to_first_token_seconds"), "p99"),
+            ],
+            "s",
+            width=8,
+        ),
+        Panel(
+            "vLLM end-to-end latency",
+            "timeseries",
+            [
+                (quantile(0.5, "vllm:e2e_request_latency_seconds"), "p50"),
+                (quantile(0.99, "vllm:e2e_request_latency_seconds"), "p99"),
+            ],
+            "s",
+            width=8,
+        ),
+        Panel(
+            "vLLM throughput",
+            "timeseries",
+            [
+                (f"sum(rate({sel('vllm:generation_tokens_total')}[$__rate_interval]))", "generated tokens/s"),
+                (f"sum(rate({sel('vllm:prompt_tokens_total')}[$__rate_interval]))", "prompt tokens/s"),
+            ],
+            width=8,
+        ),
+        Panel(
+            "vLLM KV-cache usage",
+            "timeseries",
+            [(f"max by (pod) ({sel('vllm:kv_cache_usage_perc')})", "{{pod}}")],
+            "percentunit",
+            width=12,
+            min=0,
+            max=1,
+        ),
+        Panel(
+            "vLLM requests running / waiting",
+            "timeseries",
+            [
+                (f"sum({sel('vllm:num_requests_running')})", "running"),
+                (f"sum({sel('vllm:num_requests_waiting')})", "waiting"),
+            ],
+            width=12,
+        ),
     ]
-    return dashboard("onlinerl-serving", "OnlineRL · Serving and policy versions",
-                     "Policy version timeline, reloads, the gateway and the vLLM engine.", items,
-                     "onlinerl_serving_requests_total")
+    return dashboard(
+        "onlinerl-serving",
+        "OnlineRL · Serving and policy versions",
+        "Policy version timeline, reloads, the gateway and the vLLM engine.",
+        items,
+        "onlinerl_serving_requests_total",
+    )
 
 
-DASHBOARDS = {"onlinerl-learning": learning, "onlinerl-feedback": feedback, "onlinerl-trainer": trainer,
-              "onlinerl-serving": serving}
+DASHBOARDS = {
+    "onlinerl-learning": learning,
+    "onlinerl-feedback": feedback,
+    "onlinerl-trainer": trainer,
+    "onlinerl-serving": serving,
+}
 
 
 def render_all() -> dict[str, str]:
     """File name -> JSON text, exactly as committed."""
-    return {f"{name}.json": json.dumps(build(), indent=2, ensure_ascii=False) + "\n" for name, build in
-            DASHBOARDS.items()}
+    return {
+        f"{name}.json": json.dumps(build(), indent=2, ensure_ascii=False) + "\n" for name, build in DASHBOARDS.items()
+    }
 
 
 def main() -> int:

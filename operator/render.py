@@ -612,7 +612,8 @@ def service_monitor(ctx: RenderContext) -> Manifest:
 
 
 def pod_monitor(ctx: RenderContext) -> Manifest:
-    """The reloader's port has no Service (it is per replica): scrape the serving pods directly."""
+    """Per-replica series of the serving pods: the reloader (its port has no Service) and vLLM's own metrics,
+    which the gateway relays at ``/engine/metrics`` because vLLM listens on loopback only."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
@@ -620,7 +621,10 @@ def pod_monitor(ctx: RenderContext) -> Manifest:
         "spec": {
             "selector": {"matchLabels": selector(ctx, "serving")},
             "podTargetLabels": [c.LABEL_JOB],
-            "podMetricsEndpoints": [{"port": "reloader", "path": "/metrics", "interval": "30s"}],
+            "podMetricsEndpoints": [
+                {"port": "reloader", "path": "/metrics", "interval": "30s"},
+                {"port": "http", "path": "/engine/metrics", "interval": "30s"},
+            ],
         },
     }
 

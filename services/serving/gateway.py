@@ -460,6 +460,14 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette
         m.policy_version.labels("pinned").set(-1 if p.pinned is None else p.pinned)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def engine_metrics(request: Request) -> Response:
+        """vLLM's own /metrics, read-only: vLLM listens on loopback only, so Prometheus scrapes it through us."""
+        try:
+            status, body = await gw.pool.get_bytes("/metrics")
+        except EngineUnavailable as exc:
+            return Response(f"engine unavailable: {exc}\n", status_code=503, media_type="text/plain")
+        return Response(body, status_code=status, media_type=CONTENT_TYPE_LATEST)
+
     async def inflight(request: Request) -> Response:
         """Per-model in-flight counts for the reloader in the same pod (loopback only: not a public route)."""
         if (request.client.host if request.client else "") not in LOOPBACK:
@@ -483,6 +491,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette
             Route("/healthz", healthz),
             Route("/readyz", readyz),
             Route("/metrics", metrics),
+            Route("/engine/metrics", engine_metrics),
             Route("/internal/inflight", inflight),
         ],
         lifespan=lifespan,

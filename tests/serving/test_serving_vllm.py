@@ -450,3 +450,71 @@ def test_canary_split_is_deterministic_per_user_and_recorded(stack: Stack) -> No
         rec = record_for(stack, "acme", PROMPT, rollout_id)
         assert (rec.arm, str(rec.policy_version)) == (arm, version)
     assert int(stack.redis.hget(stack.keys.stats(3, "candidate"), "served")) >= 2
+
+
+def test_engine_metrics_are_relayed_for_prometheus(stack: Stack) -> None:
+    """vLLM listens on loopback only; its own series reach Prometheus through the gateway's /engine/metrics."""
+    with stack.gateway.client() as c:
+        resp = c.get("/engine/metrics")
+    assert resp.status_code == 200
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:e2e_request_latency_seconds_bucket"):
+        assert name in resp.text, name
+
+
+def test_rollback_reaches_serving_with_no_failed_request(stack: Stack) -> None:
+    """A candidate takes all traffic; a manual rollback ends the canary while 8 clients stream: nothing fails and
+    every request that starts after the gateway's refresh is served, and recorded, by the stable version again."""
+    from onlinerl.rollout.manual import rollback
+    from onlinerl.rollout.store import RolloutStore
+
+    with stack.gateway.client() as c:
+        loaded = [v for v in c.get("/readyz").json()["loaded_versions"] if v > 0]
+    assert loaded, "the earlier tests leave at least one adapter loaded"
+    candidate = max(loaded)
+    stack.redis.hset(
+        stack.keys.policy,
+        mapping={"stable": "0", "candidate": str(candidate), "canary_share": "1.0", "pinned": "", "paused": "0"},
+    )
+    results: list[tuple[float, float, int, str, str, int]] = []
+    stop_at = [time.monotonic() + 120]
+    rolled_back_at: list[float] = []
+
+    async def scenario() -> None:
+        await asyncio.to_thread(
+            wait_for,
+            lambda: (
+                stream(httpx.Client(base_url=stack.gateway.url, timeout=60), continue_body(max_tokens=2), AUTH).headers[
+                    "x-onlinerl-policy-version"
+                ]
+                == str(candidate)
+            ),
+            15,
+            0.1,
+            "the gateway to route everyone to the candidate",
+        )
+        clients = [asyncio.create_task(_client_loop(stack.gateway.url, stop_at, results)) for _ in range(8)]
+        await asyncio.sleep(1.0)  # traffic flowing on the candidate
+        record = await asyncio.to_thread(rollback, RolloutStore(stack.redis, stack.keys), actor="test")
+        assert record.decision == "rollback" and record.version == 0
+        rolled_back_at.append(time.monotonic())
+        await asyncio.to_thread(
+            wait_for,
+            lambda: sum(1 for r in results if r[0] > rolled_back_at[0] + 1.5 and r[3] == "0") >= 16,
+            60,
+            0.1,
+            "16 requests served by the stable version after the rollback",
+        )
+        stop_at[0] = 0
+        await asyncio.gather(*clients)
+
+    asyncio.run(scenario())
+    failures = [r for r in results if r[2] != 200]
+    assert not failures, f"{len(failures)} of {len(results)} requests failed: {failures[:5]}"
+    before = [r for r in results if r[1] < rolled_back_at[0]]
+    after = [r for r in results if r[0] > rolled_back_at[0] + 1.5]
+    assert before and all(r[3] == str(candidate) for r in before)
+    assert len(after) >= 16 and all(r[3] == "0" for r in after)
+    for r in after[:8]:
+        rec = record_for(stack, "acme", PROMPT, r[4])
+        assert rec.policy_version == 0 and rec.arm == "base"
+    assert policy(stack).candidate is None

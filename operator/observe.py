@@ -48,8 +48,10 @@ def _int(raw: dict[bytes, bytes], field: str) -> int:
     return int(float(value)) if value not in (None, b"") else 0
 
 
-async def apply_pin_and_read(url: str, job: str, pinned: int | None, timeout: float = 2.0) -> RedisView:
-    """Write ``pinned`` when it differs (idempotent), then read what the status shows."""
+async def apply_pin_and_read(
+    url: str, job: str, pinned: int | None, timeout: float = 2.0, paused: bool | None = None
+) -> RedisView:
+    """Write ``pinned`` (and ``paused``, when given) where they differ (idempotent), then read what status shows."""
     keys = Keys(job)
     r = aioredis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
@@ -59,6 +61,9 @@ async def apply_pin_and_read(url: str, job: str, pinned: int | None, timeout: fl
         if (current or b"").decode() != want:
             await r.hset(keys.policy, mapping={"pinned": want, "updated_at": repr(time.time())})
             view.pin_changed = True
+        if paused is not None and ((await r.hget(keys.policy, "paused")) == b"1") != paused:
+            # spec.rollout.paused stops promotions (the rollout controller reads it); never rollbacks.
+            await r.hset(keys.policy, mapping={"paused": "1" if paused else "0", "updated_at": repr(time.time())})
         view.policy = PolicyTable.from_redis(await r.hgetall(keys.policy))
         stable = view.policy.stable
         shown = accepted = 0

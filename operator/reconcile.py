@@ -221,7 +221,9 @@ class Reconciler:
             "trainerRetryAfter": iso_from_epoch(book.retry_after) if book.retry_after else None,
         }
         try:
-            view = await apply_pin_and_read(await redis_url(self.kube, ctx), name, cfg.rollout.pinned_version)
+            view = await apply_pin_and_read(
+                await redis_url(self.kube, ctx), name, cfg.rollout.pinned_version, paused=cfg.rollout.paused
+            )
             extra["redisReachable"] = True
             policy = view.policy
             obs.stable_version = policy.stable if policy else None

@@ -7,6 +7,7 @@ import time
 import redis
 
 from onlinerl.keys import Keys
+from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 
 
@@ -32,7 +33,7 @@ def collect(r: redis.Redis, job: str) -> dict:
         "backlog": r.xlen(keys.samples),
         "trainer": _decode(r.hgetall(keys.trainer_status)),
         "reloader": _decode(r.hgetall(keys.reloader_status)),
-        "decisions": [(i.decode(), _decode(f)) for i, f in r.xrevrange(keys.decisions, count=5)],
+        "decisions": RolloutStore(r, keys).decisions(5),
     }
 
 
@@ -69,5 +70,7 @@ def render(s: dict) -> str:
     )
     if s["decisions"]:
         lines.append("recent rollout decisions:")
-        lines += [f"  {i}  {f.get('decision', '')} {f.get('data', '')[:140]}" for i, f in s["decisions"]]
+        for _, d in s["decisions"]:
+            when = time.strftime("%H:%M:%S", time.localtime(d.at))
+            lines.append(f"  {when}  {d.decision:<9} v{d.version}  by {d.actor}: {d.reason[:110]}")
     return "\n".join(lines)

@@ -196,8 +196,9 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
                 "state": "training",
             },
         )
-        await cluster.apply_job("demo", base_spec(valkey.url, rollout={"pinnedVersion": 2}))
+        await cluster.apply_job("demo", base_spec(valkey.url, rollout={"pinnedVersion": 2, "paused": True}))
         await wait_until(lambda: r.hget(keys.policy, "pinned") == b"2", what="pinned=2 in Redis")
+        await wait_until(lambda: r.hget(keys.policy, "paused") == b"1", what="paused=1 in Redis (spec.rollout.paused)")
         policy = r.hgetall(keys.policy)
         assert policy[b"stable"] == b"2" and policy[b"candidate"] == b"3"  # fields the operator does not own
         await wait_until(lambda: cluster.status("demo").get("pinnedVersion") == 2, what="status pinnedVersion")

@@ -46,6 +46,7 @@ class ImagesConfig(_Section):
     vllm: str = Field("vllm/vllm-openai:v0.32.0", max_length=512)
     vllm_cpu: str = Field("ghcr.io/onlinerl/onlinerl-engine-cpu:0.1.0", max_length=512)
     redis: str = Field("valkey/valkey:8.1", max_length=512)
+    rollout: str = Field("ghcr.io/onlinerl/onlinerl-rollout:0.1.0", max_length=512)
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
 
 

@@ -285,6 +285,8 @@ class Reconciler:
             stale += [("StatefulSet", ctx.child("redis")), ("Service", ctx.child("redis"))]
         if not ctx.cfg.ingress.enabled:
             stale.append(("Ingress", ctx.name))
+        if ctx.cfg.rollout.strategy != "canary":
+            stale += [("Deployment", ctx.child("rollout")), ("Service", ctx.child("rollout"))]
         for kind, child in stale:
             await self.delete_owned(kind, ctx.namespace, child, ctx.uid)
         return problems
@@ -303,8 +305,8 @@ class Reconciler:
         names = {
             "Ingress": [name],
             "Job": [f"{name}-trainer"],
-            "Deployment": [f"{name}-serving", f"{name}-feedback"],
-            "Service": [f"{name}-serving", f"{name}-feedback", f"{name}-trainer", f"{name}-redis"],
+            "Deployment": [f"{name}-serving", f"{name}-feedback", f"{name}-rollout"],
+            "Service": [f"{name}-serving", f"{name}-feedback", f"{name}-trainer", f"{name}-redis", f"{name}-rollout"],
             "StatefulSet": [f"{name}-redis"],
             "ConfigMap": [f"{name}-config"],
             "PersistentVolumeClaim": [f"{name}-checkpoints"],

@@ -463,6 +463,66 @@ def feedback_service(ctx: RenderContext) -> Manifest:
     return service(ctx, "feedback", "http", ctx.cfg.feedback.port)
 
 
+# --- rollout controller (strategy canary) ------------------------------------------------------------------------
+def rollout_deployment(ctx: RenderContext) -> Manifest | None:
+    """The eval gate and canary controller: one replica, only with ``rollout.strategy: canary``.
+
+    An init container builds the held-out FIM split the gate evaluates on (the standard library of the image), and
+    the gate reaches the serving Service with the job's own API key, like any client.
+    """
+    cfg = ctx.cfg
+    if cfg.rollout.strategy != "canary":
+        return None
+    image = {"image": cfg.images.rollout, "imagePullPolicy": cfg.images.pull_policy, "securityContext": HARDENED}
+    data_mount = {"name": "eval-data", "mountPath": c.EVAL_DATA_DIR}
+    init = {
+        "name": "eval-data",
+        **image,
+        "command": ["onlinerl", "data", "build", "--out", c.EVAL_DATA_DIR],
+        "volumeMounts": [data_mount],
+    }
+    env = [
+        *onlinerl_env(ctx),
+        {"name": "ONLINERL_ROLLOUT_PORT", "value": str(c.ROLLOUT_PORT)},
+        {"name": "ONLINERL_ROLLOUT_EVALUATOR", "value": c.GATE_EVALUATOR},
+        {"name": "ONLINERL_EVAL_DATA", "value": f"{c.EVAL_DATA_DIR}/test.jsonl"},
+        {"name": "ONLINERL_GATEWAY_URL", "value": f"http://{ctx.child('serving')}:{cfg.serving.port}"},
+    ]
+    container = {
+        "name": "rollout",
+        **image,
+        "command": ["python", "-m", "onlinerl.rollout"],
+        "ports": [{"name": "metrics", "containerPort": c.ROLLOUT_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": resources(cfg.feedback.resources, 0, {"cpu": "100m", "memory": "256Mi"}),
+        "volumeMounts": [*_config_mounts(ctx), data_mount],
+        "livenessProbe": http_probe("/healthz", "metrics", period=15, failures=4, initial=10),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(ctx, ctx.child("rollout"), "rollout"),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},  # one controller at a time: decisions are serialised
+            "selector": {"matchLabels": selector(ctx, "rollout")},
+            "template": {
+                "metadata": {"labels": labels(ctx, "rollout"), "annotations": pod_annotations(ctx)},
+                "spec": {
+                    "initContainers": [init],
+                    "containers": [container],
+                    "volumes": [config_volume(ctx), *_keys_volumes(ctx), {"name": "eval-data", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def rollout_service(ctx: RenderContext) -> Manifest | None:
+    """Metrics of the controller, picked up by the job's ServiceMonitor (port ``metrics``)."""
+    return service(ctx, "rollout", "metrics", c.ROLLOUT_PORT) if ctx.cfg.rollout.strategy == "canary" else None
+
+
 # --- trainer --------------------------------------------------------------------------------------------------
 def trainer_command(ctx: RenderContext) -> list[str]:
     """One process for <= 1 GPU; the DeepSpeed launcher (one rank per GPU) above that."""
@@ -699,6 +759,8 @@ def render_all(ctx: RenderContext) -> list[Manifest]:
         feedback_service(ctx),
         trainer_service(ctx),
         trainer_job(ctx),
+        rollout_deployment(ctx),
+        rollout_service(ctx),
         ingress(ctx),
     ]
     if ctx.monitors_enabled:

@@ -1,7 +1,8 @@
 """The eval gate's evaluator: ``onlinerl eval``'s path (gateway, pinned version, Continue's request) as a callable.
 
 Plugged into the rollout controller with ``--evaluator onlinerl.loop.gate_eval:evaluate``. It reads the job config
-(``$ONLINERL_CONFIG``), the held-out split (``$ONLINERL_EVAL_DATA``) and uses the first key of the keys file.
+(``$ONLINERL_CONFIG``), the held-out split (``$ONLINERL_EVAL_DATA``), the gateway (``$ONLINERL_GATEWAY_URL``,
+default the local one) and uses the first key of the keys file.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def evaluate(req: EvalRequest) -> GateInput:
     samples = read_jsonl(Path(os.environ.get("ONLINERL_EVAL_DATA", DEFAULT_EVAL_DATA)))[: req.samples]
     key, tenant = _first_key(cfg.auth.api_keys_file)
     template = template_for(cfg, None)
-    api_base = f"http://127.0.0.1:{cfg.serving.port}/v1"
+    gateway = os.environ.get("ONLINERL_GATEWAY_URL") or f"http://127.0.0.1:{cfg.serving.port}"
+    api_base = f"{gateway.rstrip('/')}/v1"
 
     def factory(uid: int) -> ContinueClient:
         return ContinueClient(

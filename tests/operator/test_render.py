@@ -235,3 +235,24 @@ def test_rbac_allows_exactly_what_the_operator_does() -> None:
         assert not allowed(group, plural) & {"list", "watch", "*"}, f"{kind}: more than needed"
     assert allowed("", "secrets") == {"get"}
     assert allowed("onlinerl.dev", "onlinerljobs/status") >= {"patch"}
+
+
+def test_rollout_controller_only_with_canary_strategy() -> None:
+    """canary: the eval-gate/canary controller runs as its own Deployment (+ metrics Service); direct: it does not."""
+    canary = next(n for n, s in SPECS.items() if (s.get("rollout") or {}).get("strategy") == "canary")
+    ctx = ctx_for(canary)
+    objs = by_kind(render_all(ctx))
+    dep = objs[("Deployment", f"{canary}-rollout")]
+    pod = dep["spec"]["template"]["spec"]
+    main = pod["containers"][0]
+    assert main["command"] == ["python", "-m", "onlinerl.rollout"] and dep["spec"]["replicas"] == 1
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["ONLINERL_ROLLOUT_EVALUATOR"] == c.GATE_EVALUATOR
+    assert env["ONLINERL_GATEWAY_URL"] == f"http://{canary}-serving:{ctx.cfg.serving.port}"
+    assert env["ONLINERL_EVAL_DATA"].startswith(c.EVAL_DATA_DIR)
+    assert pod["initContainers"][0]["command"][:3] == ["onlinerl", "data", "build"]
+    svc = objs[("Service", f"{canary}-rollout")]
+    assert svc["spec"]["ports"][0]["name"] == "metrics" and svc["metadata"]["labels"]["onlinerl.dev/metrics"] == "true"
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == UID
+    direct = next(n for n, s in SPECS.items() if (s.get("rollout") or {}).get("strategy", "direct") == "direct")
+    assert not [m for m in render_all(ctx_for(direct)) if m["metadata"]["name"].endswith("-rollout")]

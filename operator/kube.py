@@ -25,6 +25,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
     "OnlineRLJob": ("/apis/onlinerl.dev/v1alpha1", "onlinerljobs"),
+    "Event": ("/api/v1", "events"),
 }
 MONITORING_API = "/apis/monitoring.coreos.com/v1"
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import base64
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from onlinerl_operator.kube import Kube
 from onlinerl_operator.render import RenderContext
 
 from onlinerl.keys import Keys
+from onlinerl.rollout.records import DecisionRecord
 from onlinerl.schemas import PolicyTable
+
+MAX_DECISIONS_PER_PASS = 20
 
 ARMS = ("stable", "candidate", "pinned", "base")
 
@@ -30,6 +33,7 @@ class RedisView:
     trainer_step: int | None = None
     last_checkpoint_at: float | None = None
     pin_changed: bool = False
+    decisions: list[tuple[str, DecisionRecord]] = field(default_factory=list)
 
 
 async def redis_url(kube: Kube, ctx: RenderContext) -> str:
@@ -49,7 +53,12 @@ def _int(raw: dict[bytes, bytes], field: str) -> int:
 
 
 async def apply_pin_and_read(
-    url: str, job: str, pinned: int | None, timeout: float = 2.0, paused: bool | None = None
+    url: str,
+    job: str,
+    pinned: int | None,
+    timeout: float = 2.0,
+    paused: bool | None = None,
+    decisions_after: str | None = None,
 ) -> RedisView:
     """Write ``pinned`` (and ``paused``, when given) where they differ (idempotent), then read what status shows."""
     keys = Keys(job)
@@ -65,6 +74,12 @@ async def apply_pin_and_read(
             # spec.rollout.paused stops promotions (the rollout controller reads it); never rollbacks.
             await r.hset(keys.policy, mapping={"paused": "1" if paused else "0", "updated_at": repr(time.time())})
         view.policy = PolicyTable.from_redis(await r.hgetall(keys.policy))
+        # Rollout decisions not yet reported (each becomes a Kubernetes Event); on first sight only the newest few.
+        if decisions_after:
+            entries = await r.xrange(keys.decisions, min=f"({decisions_after}", count=MAX_DECISIONS_PER_PASS)
+        else:
+            entries = list(reversed(await r.xrevrange(keys.decisions, count=MAX_DECISIONS_PER_PASS)))
+        view.decisions = [(i.decode(), DecisionRecord.from_json(f[b"data"])) for i, f in entries if b"data" in f]
         stable = view.policy.stable
         shown = accepted = 0
         for arm in ARMS:

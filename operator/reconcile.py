@@ -222,8 +222,21 @@ class Reconciler:
         }
         try:
             view = await apply_pin_and_read(
-                await redis_url(self.kube, ctx), name, cfg.rollout.pinned_version, paused=cfg.rollout.paused
+                await redis_url(self.kube, ctx),
+                name,
+                cfg.rollout.pinned_version,
+                paused=cfg.rollout.paused,
+                decisions_after=old.get("lastDecisionId"),
             )
+            await self.report_decisions(ctx, view.decisions)
+            if view.decisions:
+                last_id, last = view.decisions[-1]
+                extra["lastDecisionId"] = last_id
+                extra["lastDecision"] = f"{last.decision} v{last.version} by {last.actor}: {last.reason}"[:1024]
+            else:
+                extra["lastDecisionId"], extra["lastDecision"] = old.get("lastDecisionId"), old.get("lastDecision")
+            obs.last_decision = extra["lastDecision"] or ""
+            obs.last_decision_kind = obs.last_decision.split(" ", 1)[0]
             extra["redisReachable"] = True
             policy = view.policy
             obs.stable_version = policy.stable if policy else None
@@ -290,6 +303,35 @@ class Reconciler:
         for kind, child in stale:
             await self.delete_owned(kind, ctx.namespace, child, ctx.uid)
         return problems
+
+    async def report_decisions(self, ctx: RenderContext, decisions: list[tuple[str, Any]]) -> None:
+        """One Kubernetes Event per rollout decision (gate, promote, rollback, pin...), on the OnlineRLJob."""
+        for entry_id, d in decisions:
+            warning = d.decision in ("rollback", "gate_fail")
+            when = iso_from_epoch(d.at)
+            event = {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{ctx.name}.rollout.{entry_id.replace('-', '.')}", "namespace": ctx.namespace},
+                "involvedObject": {
+                    "apiVersion": c.API_VERSION,
+                    "kind": c.KIND,
+                    "name": ctx.name,
+                    "namespace": ctx.namespace,
+                    "uid": ctx.uid,
+                },
+                "reason": "Rollout" + "".join(p.capitalize() for p in d.decision.split("_")),
+                "message": f"v{d.version} (stable v{d.stable}) by {d.actor}: {d.reason}"[:1024],
+                "type": "Warning" if warning else "Normal",
+                "source": {"component": c.MANAGER},
+                "firstTimestamp": when,
+                "lastTimestamp": when,
+                "count": 1,
+            }
+            try:
+                await self.kube.create(event)
+            except KubeError as exc:
+                log.warning("%s/%s: could not post the rollout event: %s", ctx.namespace, ctx.name, exc)
 
     async def delete_owned(self, kind: str, ns: str, name: str, owner_uid: str) -> bool:
         """Delete ``kind/name`` only if its owner reference points at ``owner_uid``."""

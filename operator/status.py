@@ -56,6 +56,12 @@ class JobStatus(_Status):
     trainer_restarts: int = Field(0, ge=0, description="Failed trainer Jobs recreated since the last spec change.")
     trainer_retry_after: str | None = Field(None, json_schema_extra={"format": "date-time"})
     redis_reachable: bool | None = None
+    last_decision_id: str | None = Field(
+        None, max_length=64, description="Newest rollout decision turned into an Event."
+    )
+    last_decision: str | None = Field(
+        None, max_length=1024, description="Newest rollout decision: kind, version, actor and reason."
+    )
     endpoints: Endpoints = Field(default_factory=Endpoints)
 
 
@@ -85,6 +91,8 @@ class Observation:
     trainer_message: str = ""
     stable_version: int | None = None
     candidate_version: int | None = None
+    last_decision: str = ""  # "rollback v3: ..." — the newest gate/promote/rollback, shown on PolicyPromoted
+    last_decision_kind: str = ""
     problems: list[str] = field(default_factory=list)  # degraded but running: Redis down, monitoring API missing
 
 
@@ -116,6 +124,9 @@ def derive_conditions(obs: Observation) -> list[dict[str, str]]:
         "absent": "NotCreated",
     }[obs.trainer_state]
     promoted = obs.stable_version is not None and obs.stable_version > 0
+    decision_reason = {"promote": "Promoted", "rollback": "RolledBack", "gate_fail": "GateFailed"}.get(
+        obs.last_decision_kind, ""
+    )
     promoted_msg = (
         f"policy v{obs.stable_version} is stable"
         if promoted
@@ -150,8 +161,8 @@ def derive_conditions(obs: Observation) -> list[dict[str, str]]:
         _cond(
             "PolicyPromoted",
             promoted if obs.stable_version is not None else None,
-            "Promoted" if promoted else "BaseModel" if obs.stable_version == 0 else "Unknown",
-            promoted_msg,
+            decision_reason or ("Promoted" if promoted else "BaseModel" if obs.stable_version == 0 else "Unknown"),
+            f"{promoted_msg}; last decision: {obs.last_decision}" if obs.last_decision else promoted_msg,
         ),
         _cond(
             "Degraded",

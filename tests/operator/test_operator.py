@@ -10,6 +10,7 @@ import redis
 from onlinerl_operator import constants as c
 
 from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyVersionState
 from onlinerl.valkey import free_port
 from tests.operator.conftest import Cluster, wait_until
 from tests.operator.helpers import status_jsonschema, strip_none
@@ -196,6 +197,13 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
                 "state": "training",
             },
         )
+        # A rollout decision taken before the operator looks: it must become an Event and show in status.
+        from onlinerl.rollout.manual import rollback
+        from onlinerl.rollout.store import RolloutStore
+
+        r.hset(keys.versions, "1", PolicyVersionState(version=1, state="loaded").to_json())
+        rollback(RolloutStore(r, keys), 1, actor="test", force=True)  # v2 -> v1
+        r.hset(keys.policy, mapping={"stable": "2", "candidate": "3"})  # as the test set up the table
         await cluster.apply_job("demo", base_spec(valkey.url, rollout={"pinnedVersion": 2, "paused": True}))
         await wait_until(lambda: r.hget(keys.policy, "pinned") == b"2", what="pinned=2 in Redis")
         await wait_until(lambda: r.hget(keys.policy, "paused") == b"1", what="paused=1 in Redis (spec.rollout.paused)")
@@ -207,7 +215,13 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
         assert status["acceptRate"] == pytest.approx(15 / 50) and status["shown"] == 50
         assert status["samplesTrained"] == 96 and status["trainerStep"] == 12
         assert status["lastCheckpointTime"] == "2025-11-20T10:00:00Z"
-        assert cluster.condition("demo", "PolicyPromoted")["status"] == "True"
+        promoted = cluster.condition("demo", "PolicyPromoted")
+        assert promoted["status"] == "True" and promoted["reason"] == "RolledBack"
+        assert "rollback v1 by test" in promoted["message"] and status["lastDecision"].startswith("rollback v1")
+        events = [e for e in cluster.kmock.objects.values() if not e.deleted and e.raw.get("kind") == "Event"]
+        rollouts = [e.raw for e in events if e.raw.get("reason") == "RolloutRollback"]
+        assert len(rollouts) == 1 and rollouts[0]["type"] == "Warning"
+        assert rollouts[0]["involvedObject"]["name"] == "demo" and "by test" in rollouts[0]["message"]
         # Someone clears the pin by hand: the operator restores the spec's pin (the spec is the source of truth).
         r.hset(keys.policy, "pinned", "")
         await wait_until(lambda: r.hget(keys.policy, "pinned") == b"2", what="pin restored")

@@ -240,6 +240,9 @@ class RolloutConfig(_Section):
     strategy: Literal["direct", "canary"] = "direct"
     canary_share: float = Field(0.1, ge=0, le=1)
     pinned_version: int | None = Field(None, ge=0)
+    rollback_to: int | None = Field(
+        None, ge=0, description="Make this version stable and mark what it replaces rolled back (once per value)."
+    )
     paused: bool = False
     min_samples: int = Field(200, ge=1)
     min_dwell_seconds: float = Field(300.0, ge=0)

@@ -97,3 +97,29 @@ async def apply_pin_and_read(
         return view
     finally:
         await r.aclose()
+
+
+async def manual_rollback(url: str, job: str, version: int, timeout: float = 2.0) -> str:
+    """spec.rollout.rollbackTo: the same rollback as `onlinerl policy rollback N` (one code path, one decision record).
+    Returns a problem message, or "" when done (also when there is nothing left to roll back)."""
+    import asyncio
+
+    import redis
+
+    from onlinerl.errors import CommandError
+    from onlinerl.rollout.manual import rollback
+    from onlinerl.rollout.store import RolloutStore
+
+    def run() -> str:
+        r = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        try:
+            rollback(RolloutStore(r, Keys(job)), version, actor="operator")
+            return ""
+        except CommandError as exc:
+            if "nothing to roll back" in str(exc):
+                return ""
+            return f"spec.rollout.rollbackTo={version} not applied: {exc}"
+        finally:
+            r.close()
+
+    return await asyncio.to_thread(run)

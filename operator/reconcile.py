@@ -14,7 +14,7 @@ from typing import Any
 
 from onlinerl_operator import constants as c
 from onlinerl_operator.kube import Kube, KubeError
-from onlinerl_operator.observe import apply_pin_and_read, redis_url
+from onlinerl_operator.observe import apply_pin_and_read, manual_rollback, redis_url
 from onlinerl_operator.render import RenderContext, endpoints, render_all, trainer_job
 from onlinerl_operator.spec import SpecError, parse_spec
 from onlinerl_operator.status import (
@@ -228,6 +228,21 @@ class Reconciler:
                 paused=cfg.rollout.paused,
                 decisions_after=old.get("lastDecisionId"),
             )
+            extra["appliedRollbackTo"] = old.get("appliedRollbackTo")
+            target = cfg.rollout.rollback_to
+            if target is not None and old.get("appliedRollbackTo") != target:
+                problem = await manual_rollback(await redis_url(self.kube, ctx), name, target)
+                if problem:
+                    problems.append(problem)
+                else:
+                    extra["appliedRollbackTo"] = target
+                    log.info("%s/%s: rolled back to v%s (spec.rollout.rollbackTo)", ns, name, target)
+                    view = await apply_pin_and_read(
+                        await redis_url(self.kube, ctx),
+                        name,
+                        cfg.rollout.pinned_version,
+                        decisions_after=old.get("lastDecisionId"),
+                    )
             await self.report_decisions(ctx, view.decisions)
             if view.decisions:
                 last_id, last = view.decisions[-1]

@@ -118,11 +118,11 @@ def config_yaml(ctx: RenderContext) -> str:
 
 
 def _hash_without_runtime_fields(ctx: RenderContext) -> str:
-    """Digest of the config minus what acts at runtime (suspend: the Job; pinnedVersion: Redis), so neither
-    restarts a pod."""
+    """Digest of the config minus what acts at runtime (suspend: the Job; pinnedVersion, paused, rollbackTo:
+    Redis), so none of them restarts a pod."""
     data = component_config(ctx)
     data["trainer"] = {**data["trainer"], "suspend": False}
-    data["rollout"] = {**data["rollout"], "pinnedVersion": None}
+    data["rollout"] = {**data["rollout"], "pinnedVersion": None, "paused": False, "rollbackTo": None}
     return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

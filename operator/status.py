@@ -56,6 +56,7 @@ class JobStatus(_Status):
     trainer_restarts: int = Field(0, ge=0, description="Failed trainer Jobs recreated since the last spec change.")
     trainer_retry_after: str | None = Field(None, json_schema_extra={"format": "date-time"})
     redis_reachable: bool | None = None
+    applied_rollback_to: int | None = Field(None, ge=0, description="spec.rollout.rollbackTo already carried out.")
     last_decision_id: str | None = Field(
         None, max_length=64, description="Newest rollout decision turned into an Event."
     )

@@ -288,3 +288,28 @@ async def test_unreachable_redis_degrades_but_deploys(cluster: Cluster) -> None:
     assert degraded["status"] == "True" and "Redis not reachable" in degraded["message"]
     assert cluster.status("demo")["redisReachable"] is False and cluster.status("demo")["phase"] == "Degraded"
     assert_statuses_valid(cluster)
+
+
+async def test_rollback_to_from_the_spec_is_applied_once(cluster: Cluster, valkey) -> None:
+    """spec.rollout.rollbackTo makes that version stable through the same path as the CLI, exactly once."""
+    r = redis.Redis.from_url(valkey.url)
+    keys = Keys("demo")
+    try:
+        r.hset(keys.policy, mapping={"stable": "2", "candidate": "", "canary_share": "0", "pinned": "", "paused": "0"})
+        for v in (1, 2):
+            r.hset(keys.versions, str(v), PolicyVersionState(version=v, state="loaded").to_json())
+        await cluster.apply_job("demo", base_spec(valkey.url, rollout={"rollbackTo": 1}))
+        await wait_until(lambda: r.hget(keys.policy, "stable") == b"1", what="stable rolled back to v1")
+        await wait_until(lambda: cluster.status("demo").get("appliedRollbackTo") == 1, what="status appliedRollbackTo")
+        await wait_until(
+            lambda: cluster.condition("demo", "PolicyPromoted").get("reason") == "RolledBack", what="RolledBack"
+        )
+        events = [e.raw for e in cluster.kmock.objects.values() if not e.deleted and e.raw.get("kind") == "Event"]
+        assert [e["reason"] for e in events if e.get("reason", "").startswith("Rollout")] == ["RolloutRollback"]
+        # Someone promotes v2 again by hand: the spec's rollback was carried out already and is not repeated.
+        r.hset(keys.policy, "stable", "2")
+        await cluster.patch_spec("demo", {"serving": {"replicas": 2}})  # a new reconcile pass
+        await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 2, what="second pass")
+        assert r.hget(keys.policy, "stable") == b"2"
+    finally:
+        r.close()

@@ -518,3 +518,25 @@ def test_rollback_reaches_serving_with_no_failed_request(stack: Stack) -> None:
         rec = record_for(stack, "acme", PROMPT, r[4])
         assert rec.policy_version == 0 and rec.arm == "base"
     assert policy(stack).candidate is None
+
+
+def test_gate_evaluator_evaluates_both_versions_through_the_gateway(stack: Stack, tmp_path: Path, monkeypatch) -> None:
+    """The rollout gate's real evaluator: held-out samples, Continue's request, each version pinned explicitly."""
+    from onlinerl.data.builder import FimSample, write_jsonl
+    from onlinerl.loop.gate_eval import evaluate
+    from onlinerl.rollout.controller import EvalRequest
+
+    samples = [
+        FimSample(f"s{i}", "line", "a.py", 1, 1, f"def f{i}(a, b):\n    return ", "a + b", "\n") for i in range(3)
+    ]
+    write_jsonl(samples, tmp_path / "test.jsonl")
+    monkeypatch.setenv("ONLINERL_CONFIG", stack.gateway.child.env["ONLINERL_CONFIG"])
+    monkeypatch.setenv("ONLINERL_EVAL_DATA", str(tmp_path / "test.jsonl"))
+    monkeypatch.setenv("ONLINERL_GATEWAY_URL", stack.gateway.url)
+    with stack.gateway.client() as c:
+        candidate = max(v for v in c.get("/readyz").json()["loaded_versions"] if v > 0)
+    before = int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served") or 0)
+    gate_input = evaluate(EvalRequest(JOB, candidate, 0, 3))
+    assert (gate_input.candidate_version, gate_input.stable_version) == (candidate, 0)
+    assert len(gate_input.candidate) == 3 and len(gate_input.stable) == 3
+    assert int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served")) == before + 3  # arm "eval", apart

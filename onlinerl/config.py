@@ -105,6 +105,13 @@ class ServingConfig(_Section):
     request_timeout_seconds: float = Field(60.0, gt=0)
     engine_connect_timeout_seconds: float = Field(2.0, gt=0)
     retry_after_seconds: int = Field(2, ge=1)
+    exploration_temperature: float | None = Field(
+        None,
+        ge=0,
+        le=2,
+        description="Floor on the sampling temperature of routed traffic, so the policy sees alternatives to its "
+        "greedy answer (Continue asks 0.01). Recorded per rollout; evaluation requests keep the client's value.",
+    )
     weights_mode: Literal["lora", "full"] = "lora"
     lora: ServingLoraConfig = Field(default_factory=ServingLoraConfig)
     keep_versions: int = Field(3, ge=1, le=64)

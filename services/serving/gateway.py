@@ -27,6 +27,7 @@ from onlinerl_serving.requests import (
     parse_completion_request,
     sampling_record,
     upstream_body,
+    with_exploration,
 )
 from onlinerl_serving.routing import Route as PolicyRoute
 from onlinerl_serving.routing import choose, route, served_model_name, user_hash
@@ -150,6 +151,8 @@ class Gateway:
                 )
             uhash = user_hash(token or "", _header(scope, UNIQUE_ID_HEADER) or req.user)
             forced = _forced_version(scope)
+            if forced is None:  # evaluation measures what users get at their own temperature
+                req = with_exploration(req, self.cfg.serving.exploration_temperature)
             code, arm, version = await self._complete(scope, receive, send, req, tenant, uhash, t0, forced)
         except ApiError as err:
             code = err.status

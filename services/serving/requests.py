@@ -8,7 +8,7 @@ Upstream it always asks for sampled-token log-probs and token ids: the rollout r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -175,6 +175,16 @@ def upstream_body(req: CompletionRequest, served_model: str) -> bytes:
     return orjson.dumps(body)
 
 
+def with_exploration(req: CompletionRequest, floor: float | None) -> CompletionRequest:
+    """The request with its temperature raised to ``floor`` (serving.explorationTemperature), when that is higher."""
+    if (
+        floor is None
+        or (req.sampling.get("temperature") if req.sampling.get("temperature") is not None else 1.0) >= floor
+    ):
+        return req
+    return replace(req, sampling={**req.sampling, "temperature": floor})
+
+
 def sampling_record(req: CompletionRequest) -> dict[str, Any]:
     """The ``sampling`` part of the rollout record."""
     return {
@@ -185,4 +195,12 @@ def sampling_record(req: CompletionRequest) -> dict[str, Any]:
     }
 
 
-__all__ = ["ApiError", "CompletionRequest", "Limits", "parse_completion_request", "sampling_record", "upstream_body"]
+__all__ = [
+    "ApiError",
+    "CompletionRequest",
+    "Limits",
+    "parse_completion_request",
+    "sampling_record",
+    "upstream_body",
+    "with_exploration",
+]

@@ -266,3 +266,17 @@ def test_vllm_argv_and_env() -> None:
     assert "--enable-lora" not in vllm_argv(full, "/m", cpu=False)
     assert "--dtype auto" in " ".join(vllm_argv(full, "/m", cpu=False))
     assert vllm_env(full, cpu=False)["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_exploration_floor_raises_only_lower_temperatures() -> None:
+    from onlinerl_serving.requests import CompletionRequest, sampling_record, with_exploration
+
+    req = CompletionRequest(prompt="p", max_tokens=4, stream=True, stop=[], sampling={"temperature": 0.01})
+    explored = with_exploration(req, 0.7)
+    assert explored.sampling["temperature"] == 0.7 and sampling_record(explored)["temperature"] == 0.7
+    assert req.sampling["temperature"] == 0.01  # the original is untouched
+    assert with_exploration(req, None) is req
+    hot = CompletionRequest(prompt="p", max_tokens=4, stream=True, stop=[], sampling={"temperature": 1.2})
+    assert with_exploration(hot, 0.7).sampling["temperature"] == 1.2
+    default = CompletionRequest(prompt="p", max_tokens=4, stream=True, stop=[], sampling={})
+    assert with_exploration(default, 0.7) is default  # vLLM's default temperature is 1.0

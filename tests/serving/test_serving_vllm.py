@@ -10,7 +10,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,34 +280,48 @@ async def _client_loop(url: str, stop_at: list[float], results: list[tuple[float
                 results.append((t0, time.monotonic(), -1, repr(exc), "", 0))
 
 
-def test_live_switch_under_8_streaming_clients_fails_nothing(stack: Stack) -> None:
-    base_text = direct_greedy(stack, "onlinerl-base")
-    results: list[tuple[float, float, int, str, str, int]] = []
+Result = tuple[float, float, int, str, str, int]  # start, end, status (negative: failed), version, rollout id, bytes
+
+
+def streaming_through(stack: Stack, change: Callable[[], None], new_version: str) -> tuple[list[Result], float]:
+    """8 Continue-like clients stream back to back; once traffic flows, ``change()`` runs (a switch, a rollback).
+    Streaming goes on until 16 requests started after the change were served by ``new_version``. Returns every
+    request's result and the moment the change had taken effect."""
+    results: list[Result] = []
     stop_at = [time.monotonic() + 120]
-    switched_at: list[float] = []
+    changed_at: list[float] = []
 
     async def scenario() -> None:
         clients = [asyncio.create_task(_client_loop(stack.gateway.url, stop_at, results)) for _ in range(8)]
-        await asyncio.sleep(1.0)  # traffic flowing on the base model
-        await asyncio.to_thread(publish_lora, stack.redis, JOB, stack.base_model, stack.ckpt_root, 1)
-        await asyncio.to_thread(wait_for, lambda: policy(stack).stable == 1, 30, 0.05, "reloader to make v1 stable")
-        switched_at.append(time.monotonic())
-        # keep streaming until 16 requests that started after the switch were answered by v1
+        await asyncio.sleep(1.0)  # traffic flowing before the change
+        await asyncio.to_thread(change)
+        changed_at.append(time.monotonic())
         await asyncio.to_thread(
             wait_for,
-            lambda: sum(1 for r in results if r[0] > switched_at[0] + 1.5 and r[3] == "1") >= 16,
+            lambda: sum(1 for r in results if r[0] > changed_at[0] + 1.5 and r[3] == new_version) >= 16,
             60,
             0.1,
-            "16 requests served by v1",
+            f"16 requests served by v{new_version} after the change",
         )
         stop_at[0] = 0
         await asyncio.gather(*clients)
 
     asyncio.run(scenario())
+    return results, changed_at[0]
+
+
+def test_live_switch_under_8_streaming_clients_fails_nothing(stack: Stack) -> None:
+    base_text = direct_greedy(stack, "onlinerl-base")
+
+    def publish_v1() -> None:
+        publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, 1)
+        wait_for(lambda: policy(stack).stable == 1, 30, 0.05, "reloader to make v1 stable")
+
+    results, switched_at = streaming_through(stack, publish_v1, "1")
     failures = [r for r in results if r[2] != 200]
     assert not failures, f"{len(failures)} of {len(results)} requests failed: {failures[:5]}"
-    before = [r for r in results if r[1] < switched_at[0]]
-    after = [r for r in results if r[0] > switched_at[0] + 1.5]  # past the gateway's cache refresh
+    before = [r for r in results if r[1] < switched_at]
+    after = [r for r in results if r[0] > switched_at + 1.5]  # past the gateway's cache refresh
     assert before and all(r[3] == "0" for r in before)
     assert len(after) >= 16 and all(r[3] == "1" for r in after), [r[3] for r in after]
     for r in after[:8]:  # the recorded versions say so
@@ -475,43 +489,27 @@ def test_rollback_reaches_serving_with_no_failed_request(stack: Stack) -> None:
         stack.keys.policy,
         mapping={"stable": "0", "candidate": str(candidate), "canary_share": "1.0", "pinned": "", "paused": "0"},
     )
-    results: list[tuple[float, float, int, str, str, int]] = []
-    stop_at = [time.monotonic() + 120]
-    rolled_back_at: list[float] = []
+    wait_for(
+        lambda: (
+            stream(httpx.Client(base_url=stack.gateway.url, timeout=60), continue_body(max_tokens=2), AUTH).headers[
+                "x-onlinerl-policy-version"
+            ]
+            == str(candidate)
+        ),
+        15,
+        0.1,
+        "the gateway to route everyone to the candidate",
+    )
 
-    async def scenario() -> None:
-        await asyncio.to_thread(
-            wait_for,
-            lambda: (
-                stream(httpx.Client(base_url=stack.gateway.url, timeout=60), continue_body(max_tokens=2), AUTH).headers[
-                    "x-onlinerl-policy-version"
-                ]
-                == str(candidate)
-            ),
-            15,
-            0.1,
-            "the gateway to route everyone to the candidate",
-        )
-        clients = [asyncio.create_task(_client_loop(stack.gateway.url, stop_at, results)) for _ in range(8)]
-        await asyncio.sleep(1.0)  # traffic flowing on the candidate
-        record = await asyncio.to_thread(rollback, RolloutStore(stack.redis, stack.keys), actor="test")
+    def roll_back() -> None:
+        record = rollback(RolloutStore(stack.redis, stack.keys), actor="test")
         assert record.decision == "rollback" and record.version == 0
-        rolled_back_at.append(time.monotonic())
-        await asyncio.to_thread(
-            wait_for,
-            lambda: sum(1 for r in results if r[0] > rolled_back_at[0] + 1.5 and r[3] == "0") >= 16,
-            60,
-            0.1,
-            "16 requests served by the stable version after the rollback",
-        )
-        stop_at[0] = 0
-        await asyncio.gather(*clients)
 
-    asyncio.run(scenario())
+    results, rolled_back_at = streaming_through(stack, roll_back, "0")
     failures = [r for r in results if r[2] != 200]
     assert not failures, f"{len(failures)} of {len(results)} requests failed: {failures[:5]}"
-    before = [r for r in results if r[1] < rolled_back_at[0]]
-    after = [r for r in results if r[0] > rolled_back_at[0] + 1.5]
+    before = [r for r in results if r[1] < rolled_back_at]
+    after = [r for r in results if r[0] > rolled_back_at + 1.5]
     assert before and all(r[3] == str(candidate) for r in before)
     assert len(after) >= 16 and all(r[3] == "0" for r in after)
     for r in after[:8]:

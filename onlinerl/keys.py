@@ -65,6 +65,11 @@ class Keys:
         """Hash ``version -> PolicyVersionState JSON`` kept by the reloader (loaded, failed, retired...)."""
         return f"{self.prefix}versions"
 
+    @property
+    def holds(self) -> str:
+        """Hash ``version -> expiry (unix s)``: versions an evaluation uses; the reloader keeps them loaded."""
+        return f"{self.prefix}holds"
+
     def stats(self, version: int, arm: str) -> str:
         """Hash of counters per (policy version, arm): shown, accepted, rejected, empty, served."""
         return f"{self.prefix}stats:v{version}:{arm}"

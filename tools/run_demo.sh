@@ -17,8 +17,8 @@ until grep -q "onlinerl is up" "$STATE/up.log"; do
   sleep 2
 done
 echo "stack is up; simulating for ${DURATION}s"
-$BIN/onlinerl simulate --state "$STATE" --duration "$DURATION" --requests 1000000 --concurrency 2 \
+$BIN/onlinerl simulate --state "$STATE" --duration "$DURATION" --requests 1000000 --concurrency 3 \
   --max-tokens 32 --max-prefix-chars 600 | tee "$STATE/simulate.txt"
 $BIN/onlinerl status --state "$STATE" | tee "$STATE/status.txt"
-$BIN/onlinerl eval --state "$STATE" --versions 0,latest --limit 100 --concurrency 4 \
+$BIN/onlinerl eval --state "$STATE" --versions 0,latest --limit 200 --concurrency 4 \
   --max-tokens 32 --max-prefix-chars 600 | tee "$STATE/eval.txt"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from onlinerl.commands.simulate import add_client_args, make_client_factory
@@ -13,7 +15,7 @@ from onlinerl.commands.simulate import add_client_args, make_client_factory
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="offline evaluation of policy versions (held-out split)")
-    add_client_args(p)
+    add_client_args(p, split="test")
     p.add_argument("--versions", default="0,latest", help="comma list of versions; `latest` = newest loaded")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: <state>/eval)")
     p.add_argument(
@@ -40,21 +42,61 @@ def latest_loaded_version(cfg) -> int:
     return max(loaded, default=0)
 
 
+@contextlib.contextmanager
+def held_versions(cfg, versions: list[int], timeout_s: float = 180.0) -> Iterator[None]:
+    """Hold ``versions`` loaded for the evaluation (see :mod:`onlinerl.holds`) and wait until serving has them.
+
+    Without it a trainer that keeps publishing gets the evaluated version retired mid-run (409 per request).
+    """
+    import redis
+
+    from onlinerl.holds import hold, release
+    from onlinerl.keys import Keys
+    from onlinerl.procs import wait_for
+    from onlinerl.schemas import PolicyVersionState
+
+    keys = Keys(cfg.job)
+    r = redis.Redis.from_url(cfg.redis.url)
+    held = hold(r, keys.holds, versions)
+    try:
+
+        def loaded() -> bool:
+            states = {s.version: s.state for s in map(PolicyVersionState.from_json, r.hvals(keys.versions))}
+            return all(states.get(v) == "loaded" for v in held)
+
+        if held:
+            print(f"[eval] holding versions {held} loaded while evaluating", file=sys.stderr)
+            wait_for(loaded, timeout=timeout_s, interval=1.0, what=f"serving to load held versions {held}")
+        yield
+    finally:
+        release(r, keys.holds, held)
+        r.close()
+
+
 def _eval(args: argparse.Namespace) -> int:
-    from onlinerl.loop.eval_metrics import comparison_table, summarize
-    from onlinerl.loop.evaluate import run_version
 
     cfg, samples, factory = make_client_factory(args, "test")
     versions = [latest_loaded_version(cfg) if v.strip() == "latest" else int(v) for v in args.versions.split(",")]
     out = args.out or args.state / "eval"
     out.mkdir(parents=True, exist_ok=True)
+    with held_versions(cfg, versions):
+        return _run_eval(args, cfg, samples, factory, versions, out)
+
+
+def _run_eval(args, cfg, samples, factory, versions: list[int], out: Path) -> int:
+    from onlinerl.loop.eval_metrics import comparison_table, summarize
+    from onlinerl.loop.evaluate import run_version
+
     summaries, judged = {}, {}
     for v in dict.fromkeys(versions):
         done = {"n": 0}
 
         def tick(total=len(samples), v=v, done=done) -> None:
             done["n"] += 1
-            print(f"\r[eval] v{v}: {done['n']}/{total}", end="", file=sys.stderr, flush=True)
+            if sys.stderr.isatty():
+                print(f"\r[eval] v{v}: {done['n']}/{total}", end="", file=sys.stderr, flush=True)
+            elif done["n"] % max(1, total // 10) == 0 or done["n"] == total:  # a log file gets a line per 10%
+                print(f"[eval] v{v}: {done['n']}/{total}", file=sys.stderr, flush=True)
 
         run = asyncio.run(run_version(samples, factory, v, args.concurrency, tick, args.max_prefix_chars))
         print(file=sys.stderr)

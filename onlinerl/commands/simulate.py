@@ -9,14 +9,14 @@ from pathlib import Path
 from onlinerl.loop.local import DEFAULT_STATE
 
 
-def add_client_args(p: argparse.ArgumentParser) -> None:
+def add_client_args(p: argparse.ArgumentParser, split: str = "train") -> None:
     p.add_argument("--state", type=Path, default=DEFAULT_STATE)
     p.add_argument("--api-base", default=None, help="default: the local gateway, http://127.0.0.1:<port>/v1")
     p.add_argument("--api-key", default=None, help="default: the local demo key")
     p.add_argument("--template", default=None, help="FIM template (default: the model's, auto-detected)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--data", type=Path, default=None, help="JSONL split (default: <state>/data/train.jsonl)")
+    p.add_argument("--data", type=Path, default=None, help=f"JSONL split (default: <state>/data/{split}.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="use N samples of the split (a fixed random subset)")
     p.add_argument(
         "--max-prefix-chars",

@@ -15,6 +15,7 @@ class EvalRecord:
     shown: str
     failed: bool = False
     version: int = 0
+    raw: str = ""  # the completion as served, before Continue's display filters
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ async def run_version(
                     continue_postprocess(res.text, prefix, s.suffix),
                     failed=res.failed or wrong,
                     version=version,
+                    raw=res.text,
                 )
             )
             if on_done:

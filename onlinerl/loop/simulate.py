@@ -3,7 +3,8 @@
 Each user sends Continue's exact streaming request, decides with :mod:`onlinerl.loop.user_model`, and uploads the
 outcome on Continue's clock: an accept right after a short think time, a reject only once the 10 s window has passed.
 Uploads run in the background, so a user's next request is not held up by the previous reject window.
-Every request becomes one line of a JSONL timeline (request, version, shown text, accepted, latency).
+Every request becomes one line of a JSONL timeline (request, version, shown text, accepted, latency). A completion
+Continue would not display (empty after its filters) is not uploaded, as Continue logs only what it displayed.
 """
 
 from __future__ import annotations
@@ -149,7 +150,17 @@ async def simulate(
             accepted = decide(shown, sample.middle, opts.rule)
             totals.shown += bool(shown)
             totals.accepted += accepted
-            entry.update(shown=shown, accepted=accepted, middle_first_line=sample.middle.strip().split("\n")[0][:120])
+            entry.update(
+                raw=res.text,
+                shown=shown,
+                accepted=accepted,
+                middle_first_line=sample.middle.strip().split("\n")[0][:120],
+            )
+            if not shown:  # Continue displays nothing, so it logs nothing: no feedback for this rollout
+                if timeline:
+                    timeline.write(orjson.dumps(entry) + b"\n")
+                bar.update(totals)
+                continue
             body = client.outcome(
                 prompt=prompt,
                 prefix=prefix,

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 
+from onlinerl.loop.continue_filters import continue_shown
+
 
 @dataclass(frozen=True)
 class AcceptRule:
@@ -17,30 +19,9 @@ class AcceptRule:
     min_similarity: float = 0.8
 
 
-def is_midline(prefix: str) -> bool:
-    """Cursor after code on its line: Continue's ``multilineCompletions: auto`` then completes a single line."""
-    return prefix.rsplit("\n", 1)[-1].strip() != ""
-
-
-def continue_postprocess(completion: str, prefix: str, suffix: str, max_lines: int = 50) -> str:
-    """The text Continue shows for a raw completion (its stream filters, simplified but in the same order).
-
-    Single-line mode (mid-line cursor): a completion starting with a newline shows nothing (noFirstCharNewline),
-    otherwise it is cut at the first newline (stopAtLines). Multi-line mode: stop before a line that repeats the
-    previous one (stopAtRepeatingLines) or equals the next line of the suffix (stopAtSimilarLine), at most
-    ``max_lines`` lines. Trailing whitespace is trimmed; a blank result is not shown.
-    """
-    if is_midline(prefix):
-        if completion.startswith(("\n", "\r\n")):
-            return ""
-        return shown_text(completion.split("\n", 1)[0])
-    next_line = next((ln.strip() for ln in suffix.split("\n") if ln.strip()), "")
-    out: list[str] = []
-    for line in completion.split("\n")[:max_lines]:
-        if out and line.strip() and (line == out[-1] or line.strip() == next_line):
-            break
-        out.append(line)
-    return shown_text("\n".join(out))
+def continue_postprocess(completion: str, prefix: str, suffix: str) -> str:
+    """The text Continue shows for a raw completion (see :mod:`onlinerl.loop.continue_filters`)."""
+    return continue_shown(completion, prefix, suffix)
 
 
 def shown_text(completion: str) -> str:

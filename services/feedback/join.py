@@ -4,10 +4,14 @@ Continue post-processes what the model generated before showing it: it may cut t
 of the generation) or strip whitespace around it. We accept exactly those three relations (``exact``, ``prefix``,
 ``trimmed``) and nothing else, so a client can never make us train on text the policy did not produce.
 
-Which tokens are trained on: the longest *prefix* of the generated tokens whose text ends inside the shown span.
-A prefix (never a gap) keeps ``prompt + kept tokens`` identical to what the policy actually conditioned on, so the
-behaviour log-probs stay valid. Leading whitespace that Continue stripped is therefore kept (the model produced it
-and the shown text was conditioned on it); a token cut in the middle, and everything after it, is dropped.
+Which tokens are trained on: the longest *prefix* of the generated tokens whose text ends inside the shown span,
+plus the **terminator**: the one token on which Continue cut the display (the blank line, the newline in single-line
+mode, the start of the line below the cursor). That token is the policy's decision to end the suggestion there, so
+it gets the credit for an accept and the blame for a reject; without it the policy could never learn *where to stop*,
+which is most of what separates an accepted suggestion from a rejected one. A prefix (never a gap) keeps
+``prompt + kept tokens`` identical to what the policy actually conditioned on, so the behaviour log-probs stay valid.
+Leading whitespace that Continue stripped is kept (the model produced it and the shown text was conditioned on it);
+everything after the terminator is dropped.
 """
 
 from __future__ import annotations
@@ -61,8 +65,12 @@ def match_span(generated: str, shown: str) -> Span | None:
     return None
 
 
-def kept_token_count(token_offsets: list[int], completion_len: int, span_end: int, n_tokens: int) -> int:
-    """How many leading tokens end at or before ``span_end`` (token i covers [off[i], off[i+1]) or to the text end).
+def kept_token_count(
+    token_offsets: list[int], completion_len: int, span_end: int, n_tokens: int, terminator: bool = False
+) -> int:
+    """How many leading tokens end at or before ``span_end`` (token i covers [off[i], off[i+1]) or to the text end),
+    plus, with ``terminator``, the next token when the generation went on past the span (the one the display was cut
+    on), provided at least one whole token was shown.
 
     Without usable offsets nothing can be cut safely: all tokens are kept only if the whole text was shown.
     """
@@ -74,13 +82,15 @@ def kept_token_count(token_offsets: list[int], completion_len: int, span_end: in
         if token_end > span_end:
             break
         kept = i + 1
+    if terminator and 0 < kept < n_tokens:  # no whole token shown: nothing to attach a terminator to
+        kept += 1
     return kept
 
 
-def cut_to_span(record: RolloutRecord, span: Span) -> Join:
-    """The record with its token lists cut to the tokens that lie within the shown span (see module doc)."""
+def cut_to_span(record: RolloutRecord, span: Span, terminator: bool = True) -> Join:
+    """The record with its token lists cut to the shown span and its terminator (see module doc)."""
     n = min(len(record.completion_token_ids), len(record.behaviour_logprobs))
-    k = kept_token_count(record.token_offsets, len(record.completion), span.end, n)
+    k = kept_token_count(record.token_offsets, len(record.completion), span.end, n, terminator)
     return Join(record, span, list(record.completion_token_ids[:k]), list(record.behaviour_logprobs[:k]))
 
 
@@ -108,4 +118,4 @@ def common_prefix_join(record: RolloutRecord, shown: str) -> Join:
         if a != b:
             break
         limit += 1
-    return cut_to_span(record, Span("prefix", 0, limit))
+    return cut_to_span(record, Span("prefix", 0, limit), terminator=False)  # a mismatch is no display cut

@@ -189,6 +189,24 @@ class Gateway:
                 f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
             ) from None
 
+    async def _open_unless_client_leaves(self, body: bytes, receive: Receive | None) -> UpstreamResponse | None:
+        """Open the upstream request; with ``receive`` (non-streaming: vLLM sends its headers only once the whole
+        completion is done) give up, closing the connection so vLLM aborts, as soon as the client disconnects."""
+        if receive is None:
+            return await self._open_upstream(body)
+        opening = asyncio.ensure_future(self._open_upstream(body))
+        gone = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({opening, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if opening.done():
+                return opening.result()
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await opening
+            return None
+        finally:
+            gone.cancel()
+
     async def _complete(
         self,
         scope: Scope,
@@ -207,7 +225,9 @@ class Gateway:
             self.inflight[model] += 1
             try:
                 overhead = time.perf_counter() - t0
-                resp = await self._open_upstream(upstream_body(req, model))
+                resp = await self._open_unless_client_leaves(upstream_body(req, model), None if req.stream else receive)
+                if resp is None:
+                    return 499, r.arm, r.version  # a non-streaming client left while vLLM was generating
                 if resp.status_code == 404 and attempt == 0 and r.version != 0:
                     # The adapter went away between our model-list refresh and now (unloaded, vLLM restarted).
                     await resp.aclose()
@@ -232,7 +252,7 @@ class Gateway:
                 ctx = _Ctx(req, tenant, uhash, r, model, rollout_id, created_at, t0, overhead)
                 if req.stream:
                     return await self._relay_stream(resp, ctx, receive, send, headers), r.arm, r.version
-                return await self._relay_body(resp, ctx, send, headers), r.arm, r.version
+                return await self._relay_body(resp, ctx, receive, send, headers), r.arm, r.version
             finally:
                 self.inflight[model] -= 1
                 if self.inflight[model] <= 0:
@@ -268,14 +288,27 @@ class Gateway:
             log.error("rollout record %s not stored: %s", ctx.rollout_id, exc)
             self.metrics.record_errors.inc()
 
-    async def _relay_body(self, resp: UpstreamResponse, ctx: _Ctx, send: Send, headers: dict[str, str]) -> int:
+    async def _relay_body(
+        self, resp: UpstreamResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
+    ) -> int:
+        """Non-streaming: wait for the whole completion, unless the client leaves first. Then the upstream connection
+        is closed unread, which makes vLLM abort the generation instead of finishing it for nobody."""
+        read = asyncio.ensure_future(resp.read())
+        gone = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            raw = await resp.read()
+            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, EngineUnavailable):
+                    await read
+                return 499  # nothing to send: the client is gone
+            raw = read.result()
         except EngineUnavailable as exc:
             raise unavailable(
                 f"the inference engine failed mid-request ({exc})", self.cfg.serving.retry_after_seconds
             ) from None
         finally:
+            gone.cancel()
             await resp.aclose()
         t = time.perf_counter()
         payload = orjson.loads(raw)
@@ -295,8 +328,7 @@ class Gateway:
         disconnected = asyncio.Event()
 
         async def watch_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await wait_for_disconnect(receive)
             disconnected.set()
 
         watcher = asyncio.create_task(watch_disconnect())
@@ -401,6 +433,12 @@ def _raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
 
 def _retry_headers(err: ApiError) -> dict[str, str]:
     return {"retry-after": str(err.retry_after)} if err.retry_after is not None else {}
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body was already read, so only ``http.disconnect`` is left)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _send_response(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from onlinerl.config import OnlineRLConfig, load_config
+from onlinerl.holds import active_holds
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 
@@ -125,15 +126,19 @@ class Reloader:
         raw = await self.redis.hgetall(self.keys.policy)
         return PolicyTable.from_redis(raw) if raw else PolicyTable()
 
-    def wanted(self, table: PolicyTable) -> list[int]:
-        """Versions vLLM should hold, oldest first (so the newest is loaded, and made stable, last)."""
+    async def holds(self) -> set[int]:
+        return active_holds(await self.redis.hgetall(self.keys.holds), time.time())
+
+    def wanted(self, table: PolicyTable, holds: set[int] = frozenset()) -> list[int]:
+        """Versions vLLM should hold, oldest first (so the newest is loaded, and made stable, last): the newest
+        ``keepVersions``, the routed ones, and those an evaluation holds."""
         good = sorted(v for v, s in self.versions.items() if s.state != "failed")
         if self.full:
             return good[-1:]
         keep = set(good[-self.cfg.serving.keep_versions :])
         keep |= {
             v
-            for v in (table.stable, table.candidate, table.pinned)
+            for v in (table.stable, table.candidate, table.pinned, *holds)
             if v and v in self.versions and self.versions[v].state != "failed"
         }
         return sorted(keep)
@@ -157,7 +162,7 @@ class Reloader:
         if not self.full:
             self._detect_lost_adapters(names)
         table = await self.policy()
-        wanted = self.wanted(table)
+        wanted = self.wanted(table, await self.holds())
         for v in wanted:
             s = self.versions[v]
             s.unwanted_since = None

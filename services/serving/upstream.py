@@ -201,6 +201,9 @@ class EnginePool:
             conn.transport.write(head + body)
             try:
                 await conn.next_item(self.read_timeout)  # headers complete
+            except asyncio.CancelledError:
+                conn.close()  # the caller gave up (its client left): closing makes vLLM abort the request
+                raise
             except EngineUnavailable:
                 conn.close()
                 if reused and attempt == 0 and not conn.got_response:

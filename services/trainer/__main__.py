@@ -1,5 +1,8 @@
 """``python -m onlinerl_trainer``: the trainer process (config from onlinerl.config.load_config).
 
+Under the DeepSpeed launcher (``trainer.gpus > 1``; or torchrun) rank 0 is the leader that talks to Redis and the
+other ranks follow it (see ranks.py).
+
 Environment extras (not part of the job spec, since they identify the process rather than configure the job):
 ``ONLINERL_TRAINER_CONSUMER`` (stream consumer name, default ``trainer-0``: stable, so a restart finds its own
 pending samples) and ``ONLINERL_TRAINER_CLAIM_IDLE_SECONDS`` (take over another consumer's samples after this idle).
@@ -15,7 +18,9 @@ import threading
 
 import redis
 import torch
+from onlinerl_trainer.engine import choose_engine_name
 from onlinerl_trainer.metrics import MetricsServer, TrainerMetrics
+from onlinerl_trainer.ranks import Ranks, ranks_from_env
 from onlinerl_trainer.stream import DEFAULT_CONSUMER
 from onlinerl_trainer.trainer import NonFiniteWeightsError, Trainer
 
@@ -37,8 +42,18 @@ def main() -> int:
     except (ConfigError, ModelError) as exc:
         print(f"onlinerl-trainer: error: {exc}", file=sys.stderr)
         return 2
+    ranks = ranks_from_env()
+    if ranks.distributed and choose_engine_name(cfg.trainer) != "deepspeed":
+        print(
+            f"onlinerl-trainer: error: {ranks.world} processes need trainer.engine: deepspeed "
+            "(data parallel runs through DeepSpeed's gradient all-reduce)",
+            file=sys.stderr,
+        )
+        return 2
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)
+    if not ranks.leader:
+        return follow(cfg, model_path, ranks)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -55,6 +70,7 @@ def main() -> int:
             metrics=metrics,
             consumer=os.environ.get("ONLINERL_TRAINER_CONSUMER", DEFAULT_CONSUMER),
             claim_idle_ms=int(float(os.environ.get("ONLINERL_TRAINER_CLAIM_IDLE_SECONDS", "60")) * 1000),
+            ranks=ranks,
         )
         log.info(
             "trainer for job %s: engine %s, %s weights, starting at v%d",
@@ -72,6 +88,17 @@ def main() -> int:
     finally:
         server.stop()
         client.close()
+    return 0
+
+
+def follow(cfg, model_path, ranks: Ranks) -> int:
+    """A follower rank: no Redis, no metrics port; it computes what the leader broadcasts and stops when told.
+    It ignores SIGTERM/SIGINT so the leader can finish its step and publish with every rank's help."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    trainer = Trainer(cfg, None, model_path, ranks=ranks)
+    logging.getLogger("onlinerl.trainer").info("rank %d/%d following the leader", ranks.rank, ranks.world)
+    trainer.follow()
     return 0
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from onlinerl_trainer.engine import StepResult
-from onlinerl_trainer.engine_torch import make_adamw
+from onlinerl_trainer.engine_torch import apply_hyperparameters, make_adamw
 from onlinerl_trainer.policy import trainable_parameters
 from torch import nn
 
@@ -64,6 +64,7 @@ class DeepSpeedEngine:
         )
         self.module = self.engine.module
         self.zero_stage = cfg.zero_stage
+        self.cfg = cfg
         self.device = self.engine.device
 
     def forward(self, **inputs: torch.Tensor | int) -> torch.Tensor:
@@ -99,3 +100,4 @@ class DeepSpeedEngine:
 
     def load_state(self, directory: Path) -> None:
         self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_module_strict=False)
+        apply_hyperparameters(self.engine.optimizer, self.cfg)

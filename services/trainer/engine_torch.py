@@ -21,6 +21,14 @@ def make_adamw(params: list[nn.Parameter], cfg: TrainerConfig) -> torch.optim.Ad
     )
 
 
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainerConfig) -> None:
+    """A resumed optimizer keeps its moments but takes today's learning rate and weight decay: the saved state
+    would otherwise silently override a changed ``trainer.algorithm.learningRate``."""
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.algorithm.learning_rate
+        group["weight_decay"] = cfg.algorithm.weight_decay
+
+
 class TorchEngine:
     name = "torch"
 
@@ -30,6 +38,7 @@ class TorchEngine:
         self.params = trainable_parameters(module)
         self.optimizer = make_adamw(self.params, cfg)
         self.max_grad_norm = cfg.algorithm.max_grad_norm
+        self.cfg = cfg
 
     def forward(self, **inputs: torch.Tensor | int) -> torch.Tensor:
         return self.module(**inputs).logits
@@ -58,3 +67,4 @@ class TorchEngine:
     def load_state(self, directory: Path) -> None:
         state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        apply_hyperparameters(self.optimizer, self.cfg)

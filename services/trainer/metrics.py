@@ -38,6 +38,11 @@ class TrainerMetrics:
         self.stale = Counter(
             "onlinerl_trainer_stale_samples", "samples over the staleness limit", ["action"], registry=r
         )
+        self.inert = Counter(
+            "onlinerl_trainer_inert_samples",
+            "samples acknowledged without a pass: zero advantage and no KL/entropy term (no gradient)",
+            registry=r,
+        )
         self.invalid = Counter(
             "onlinerl_trainer_invalid_samples", "stream entries that are not a valid sample", registry=r
         )

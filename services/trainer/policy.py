@@ -26,7 +26,14 @@ def load_policy(model_path: Path, cfg: TrainerConfig, dtype: torch.dtype = torch
     if cfg.weights == "lora":
         from peft import LoraConfig, get_peft_model
 
+        layers = model.config.num_hidden_layers
+        if cfg.lora.last_layers > layers:
+            raise ValueError(f"trainer.lora.lastLayers={cfg.lora.last_layers} but the model has {layers} layers")
+        extra = (
+            {"layers_to_transform": list(range(layers - cfg.lora.last_layers, layers))} if cfg.lora.last_layers else {}
+        )
         lora = LoraConfig(
+            **extra,
             r=cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout,

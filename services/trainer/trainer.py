@@ -30,6 +30,7 @@ from onlinerl_trainer.policy import (
     load_weights_from_checkpoint,
     save_weights,
 )
+from onlinerl_trainer.ranks import Ranks
 from onlinerl_trainer.stream import DEFAULT_CONSUMER, Entry, SampleStream
 from onlinerl_trainer.update import ppo_update
 
@@ -74,8 +75,11 @@ class Trainer:
         consumer: str = DEFAULT_CONSUMER,
         claim_idle_ms: int = 60_000,
         metrics: TrainerMetrics | None = None,
+        ranks: Ranks = Ranks(),
     ) -> None:
         self.cfg = cfg
+        self.ranks = ranks  # world > 1: this rank is the leader (talks to Redis) or a follower (see ranks.py)
+        self.last_broadcast = time.monotonic()
         self.tcfg = cfg.trainer
         self.algo = cfg.trainer.algorithm
         self.keys = Keys(cfg.job)
@@ -95,7 +99,7 @@ class Trainer:
         self.last_stats: dict[str, float] = {}
         self.replay: deque[Entry] = deque()
         self._unannounced: tuple[int, list[str]] | None = None  # published on disk, XADD/ack still to do
-        self._tensorboard = self._open_tensorboard()
+        self._tensorboard = self._open_tensorboard() if ranks.leader else None
 
         module = load_policy(self.model_path, self.tcfg)
         self.reference = load_reference(self.model_path, self.tcfg)
@@ -157,6 +161,7 @@ class Trainer:
         backoff = 0.5
         lost_entries = False
         while not stop.is_set():
+            self._keep_followers_alive()
             try:
                 if lost_entries:
                     self._requeue_own_pending()
@@ -180,6 +185,7 @@ class Trainer:
                 backoff = min(backoff * 2, 10.0)
         if self.pending_ack or self._unannounced:
             self.publish()  # graceful stop: what was trained is published, then acknowledged
+        self._command("stop")
         self._status("stopped")
 
     def _requeue_own_pending(self) -> None:
@@ -255,7 +261,6 @@ class Trainer:
             self.stream.ack(discard)
         if not samples:
             return None
-        batch = collate(samples, self.tcfg.max_seq_len, self.pad_id)
         rewards = [s.sample.reward for s in samples]
         tenants = [s.sample.tenant for s in samples]
         adv = compute_advantages(
@@ -265,10 +270,17 @@ class Trainer:
             running=self.baseline,
             normalize=self.algo.normalize_advantages,
         )
-        adv_t = torch.tensor(adv, dtype=torch.float32)
+        samples, adv, inert = self._without_inert(samples, adv)
+        if inert:
+            self.stream.ack(inert)
+        if not samples:
+            return None
+        batch = collate(samples, self.tcfg.max_seq_len, self.pad_id)
         self._status("training")
+        self._command("train", (samples, adv))
         t0 = time.perf_counter()
-        result = ppo_update(self.engine, batch, adv_t, self.algo, self.tcfg.micro_batch_size, self.reference)
+        adv_t = torch.tensor(adv, dtype=torch.float32)
+        result = self._update(batch, adv_t)
         elapsed = time.perf_counter() - t0
         ids = [s.sample_id for s in samples]
         if result.skipped_reason is not None:
@@ -306,6 +318,63 @@ class Trainer:
         self._status("waiting")
         return stats
 
+    def _without_inert(
+        self, samples: list[StreamSample], adv: list[float]
+    ) -> tuple[list[StreamSample], list[float], list[str]]:
+        """Drop samples whose gradient is exactly zero: advantage 0 with no KL or entropy term (with the ``rlinf``
+        reward and no baseline, every reject). They are acknowledged without a forward pass, which on CPU is most of
+        the trainer's time; the gradient is unchanged up to the token-mean scale, which Adam absorbs."""
+        if self.algo.kl_coef > 0 or self.algo.entropy_coef > 0:
+            return samples, adv, []
+        keep = [i for i, a in enumerate(adv) if a != 0.0]
+        if len(keep) == len(samples):
+            return samples, adv, []
+        inert = [s.sample_id for i, s in enumerate(samples) if i not in set(keep)]
+        self.metrics.inert.inc(len(inert))
+        return [samples[i] for i in keep], [adv[i] for i in keep], inert
+
+    def _update(self, batch, advantages: torch.Tensor):
+        return ppo_update(
+            self.engine, batch, advantages, self.algo, self.tcfg.micro_batch_size, self.reference, self.ranks
+        )
+
+    # --- ranks ------------------------------------------------------------------------------------------------------
+    def _command(self, name: str, payload: object = None) -> None:
+        """Leader: send the followers their next piece of work (nothing happens in a single process)."""
+        if self.ranks.distributed:
+            self.ranks.broadcast((name, payload))
+            self.last_broadcast = time.monotonic()
+
+    def _keep_followers_alive(self, every_s: float = 60.0) -> None:
+        if self.ranks.distributed and time.monotonic() - self.last_broadcast >= every_s:
+            self._command("idle")
+
+    def _trainable_weights(self) -> dict[str, torch.Tensor]:
+        self._command("gather")
+        return self.engine.trainable_state_dict()
+
+    def _save_engine_state(self, directory: Path) -> None:
+        self._command("save_state", str(directory))
+        self.engine.save_state(directory)
+        self.ranks.barrier()  # every rank's optimizer partition is on disk before the directory is renamed
+
+    def follow(self) -> None:
+        """A follower's whole life: do what the leader broadcasts until it says stop (see ranks.py)."""
+        assert not self.ranks.leader
+        while True:
+            name, payload = self.ranks.broadcast(None)
+            if name == "train":
+                samples, adv = payload
+                batch = collate(samples, self.tcfg.max_seq_len, self.pad_id)
+                self._update(batch, torch.tensor(adv, dtype=torch.float32))
+            elif name == "gather":
+                self.engine.trainable_state_dict()
+            elif name == "save_state":
+                self.engine.save_state(Path(payload))
+                self.ranks.barrier()
+            elif name == "stop":
+                return
+
     # --- publishing -------------------------------------------------------------------------------------------------
     def should_publish(self) -> bool:
         if not self.pending_ack:
@@ -328,7 +397,7 @@ class Trainer:
     def write_version(self) -> int:
         """The durable half of publishing: v{N+1} on disk and its resume state. Nothing is announced or acked yet."""
         self._status("publishing")
-        weights = self.engine.trainable_state_dict()
+        weights = self._trainable_weights()
         if not all_finite(weights):
             self.metrics.skipped.labels("nonfinite_weights").inc()
             self._status("failed")
@@ -361,7 +430,7 @@ class Trainer:
             "baseline": self.baseline.state_dict(),
             "rng": random.randrange(2**31),
         }
-        self.store.save_state(version, self.engine.save_state, meta)
+        self.store.save_state(version, self._save_engine_state, meta)
         self.version = version
         self.pending_ack = []
         self.steps_since_publish = 0

@@ -14,6 +14,7 @@ from onlinerl_trainer.batching import Batch
 from onlinerl_trainer.engine import Engine
 from onlinerl_trainer.loss import ppo_loss, token_logprobs, token_logprobs_and_entropy, truncated_is_weight
 from onlinerl_trainer.policy import adapter_disabled, is_lora
+from onlinerl_trainer.ranks import Ranks, shard_slices
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the usual torch alias
 
@@ -27,6 +28,7 @@ class UpdateResult:
     skipped_reason: str | None = None  # "nonfinite_loss" | "nonfinite_grad"
 
 
+SINGLE = Ranks()
 ENTROPY_SAMPLE_TOKENS = 64  # tokens per micro-batch for the entropy gauge when entropy is not in the loss
 
 
@@ -94,14 +96,23 @@ def ppo_update(
     algo: AlgorithmConfig,
     micro_batch_size: int,
     reference: nn.Module | None = None,
+    ranks: Ranks = SINGLE,
 ) -> UpdateResult:
-    """Train on ``batch`` (advantages [B]); returns token-weighted mean statistics and whether the step was skipped."""
+    """Train on ``batch`` (advantages [B]); returns token-weighted mean statistics and whether the step was skipped.
+
+    Data parallel (``ranks.world > 1``): every rank holds the whole batch and runs its round-robin share of the
+    micro-batches (padded with zero-loss passes so all ranks take part in every all-reduce). Each loss is divided by
+    the *batch's* normaliser and multiplied by the world size, because DeepSpeed averages gradients over ranks: the
+    averaged gradient is then exactly the single-process batch gradient.
+    """
     size = batch.input_ids.shape[0]
     slices = _micro_slices(size, micro_batch_size)
-    micro = [batch.rows(a, b) for a, b in slices]
-    adv = [advantages[a:b] for a, b in slices]
+    mine = shard_slices(slices, ranks)  # this rank's micro-batches; None = a zero-loss pass
+    micro = [batch.rows(*(sl or slices[0])) for sl in mine]
+    adv = [advantages[slice(*(sl or slices[0]))] for sl in mine]
+    live = [1.0 if sl is not None else 0.0 for sl in mine]
     stale_rows = [torch.isfinite(mb.is_cap) for mb in micro]  # [b] per micro-batch: down-weighted stale samples
-    need_recompute = algo.old_logprobs == "recompute" or any(bool(s.any()) for s in stale_rows)
+    need_recompute = algo.old_logprobs == "recompute" or bool(torch.isfinite(batch.is_cap).any())
     use_kl = algo.kl_coef > 0
 
     # --- fixed per batch: old log-probs, importance weights, reference log-probs ---------------------------------
@@ -136,6 +147,7 @@ def ppo_update(
     ratio_max = 0.0
     grad_norm = 0.0
     epoch_losses: list[float] = []
+    poisoned = False
     for _epoch in range(algo.ppo_epochs):
         loss_sum = 0.0
         for i, mb in enumerate(micro):
@@ -157,21 +169,21 @@ def ppo_update(
                 entropy=lp.entropy,
                 entropy_coef=algo.entropy_coef,
             )
+            loss = out.loss * (live[i] * ranks.world)
             if not math.isfinite(out.loss.item()):
-                # Poison the accumulated gradient so the backend's own non-finite check drops the whole step
-                # (DeepSpeed ZeRO keeps partial gradients in its own buffers; this clears them the same way).
-                engine.backward(out.loss * float("nan"), is_boundary=True)
-                engine.step()
-                return UpdateResult(
-                    stats=_finish(totals, weight_sum, ratio_max),
-                    grad_norm=float("nan"),
-                    skipped_reason="nonfinite_loss",
-                )
-            engine.backward(out.loss, is_boundary=is_boundary)
-            loss_sum += out.loss.item()
-            n = out.stats["tokens"]
+                # Poison the accumulated gradient so the backend's own non-finite check drops the whole step on every
+                # rank (DeepSpeed ZeRO keeps partial gradients in its own buffers; this clears them the same way).
+                # The remaining passes still run, so the ranks' all-reduces stay in step.
+                poisoned = True
+                loss = out.loss * float("nan")
+            engine.backward(loss, is_boundary=is_boundary)
+            if poisoned:
+                continue
+            loss_sum += out.loss.item() * live[i]
+            n = out.stats["tokens"] * live[i]
             weight_sum += n
-            ratio_max = max(ratio_max, out.stats["ratio_max"])
+            if live[i]:
+                ratio_max = max(ratio_max, out.stats["ratio_max"])
             out.stats["entropy"] = lp.entropy_estimate or 0.0
             for key, value in out.stats.items():
                 if key not in ("tokens", "ratio_max", "ratio_min"):
@@ -179,10 +191,15 @@ def ppo_update(
         result = engine.step()
         grad_norm = result.grad_norm
         epoch_losses.append(loss_sum)  # micro-batch losses add up to the batch loss (shared normalizer)
-        if result.skipped:
-            return UpdateResult(
-                stats=_finish(totals, weight_sum, ratio_max), grad_norm=grad_norm, skipped_reason="nonfinite_grad"
-            )
+        if poisoned or result.skipped:
+            reason = "nonfinite_loss" if poisoned else "nonfinite_grad"
+            stats = _finish(totals, weight_sum, ratio_max)
+            return UpdateResult(stats=stats, grad_norm=grad_norm, skipped_reason=reason)
+    if ranks.distributed:  # each rank saw its shard: sums over ranks are the batch's sums
+        keys = sorted(totals)
+        summed = ranks.sum_floats([totals[k] for k in keys] + [weight_sum, *epoch_losses])
+        totals = dict(zip(keys, summed[: len(keys)], strict=True))
+        weight_sum, epoch_losses = summed[len(keys)], summed[len(keys) + 1 :]
     stats = _finish(totals, weight_sum, ratio_max)
     stats["loss"] = sum(epoch_losses) / len(epoch_losses)
     stats["tokens"] = mask_total

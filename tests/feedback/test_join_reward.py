@@ -56,6 +56,11 @@ def test_kept_tokens_are_a_prefix_ending_inside_the_span():
     assert kept_token_count(offsets, 6, 4, 4) == 2
     assert kept_token_count(offsets, 6, 0, 4) == 0
     assert kept_token_count([], 6, 6, 4) == 4 and kept_token_count([], 6, 5, 4) == 0  # no offsets: no safe cut
+    # with the terminator: the token the display was cut on comes too, but nothing after it
+    assert kept_token_count(offsets, 6, 4, 4, terminator=True) == 3  # "ab" "cd" + "ef"
+    assert kept_token_count(offsets, 6, 5, 4, terminator=True) == 3  # cut inside "ef": "ef" is the terminator
+    assert kept_token_count(offsets, 6, 6, 4, terminator=True) == 4  # whole text shown: nothing to add
+    assert kept_token_count(offsets, 6, 1, 4, terminator=True) == 0  # no whole token shown: nothing to train on
 
 
 def test_best_join_prefers_exact_then_most_tokens_and_never_another_tenant():
@@ -65,7 +70,7 @@ def test_best_join_prefers_exact_then_most_tokens_and_never_another_tenant():
     assert find_join([a, b, other], "abc", "acme").record.rollout_id == "exact-match"
     assert find_join([other], "abc", "acme") is None
     j = find_join([a], "abcd", "acme")
-    assert (j.match, j.token_ids, j.logprobs) == ("prefix", [10, 11], [-0.1, -0.1])
+    assert (j.match, j.token_ids, j.logprobs) == ("prefix", [10, 11, 12], [-0.1, -0.1, -0.1])  # + terminator
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ def test_cache_hit_with_unknown_extra_fields_is_accepted(server, r, keys, http, 
     assert_streams(r, keys, samples=1, audit=0)
 
 
-def test_prefix_cut_keeps_only_shown_tokens(server, r, keys, http, tokenizer):
+def test_prefix_cut_keeps_the_shown_tokens_and_the_terminator(server, r, keys, http, tokenizer):
     generated = "    total = a + b\n    return total\n"
     rec = make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion=generated)
     record_rollout(r, keys, rec)
@@ -118,7 +118,8 @@ def test_prefix_cut_keeps_only_shown_tokens(server, r, keys, http, tokenizer):
     kept = sample["completion_token_ids"]
     assert 0 < len(kept) < len(rec.completion_token_ids)
     assert kept == rec.completion_token_ids[: len(kept)]  # a prefix of the generation, no gap
-    assert tokenizer.decode(kept) == shown  # exactly the shown text: no token past the cut
+    # the shown text plus the one token the display was cut on: the policy's decision to end the line there
+    assert tokenizer.decode(kept[:-1]) == shown and tokenizer.decode(kept[-1:]).startswith("\n")
     assert sample["behaviour_logprobs"] == rec.behaviour_logprobs[: len(kept)]
     assert sample["shown_text"] == shown
 
@@ -132,9 +133,9 @@ def test_whitespace_trimmed_completion_matches(server, r, keys, http, tokenizer)
     assert out["status"] == "accepted_for_training" and out["match"] == "trimmed"
     (sample,), _ = assert_streams(r, keys, samples=1, audit=0)
     kept = sample["completion_token_ids"]
-    # Leading whitespace the model produced stays (the shown text was conditioned on it); the trailing part and
-    # the EOS token were not shown and are dropped.
-    assert tokenizer.decode(kept).strip() == "return a + b"
+    # Leading whitespace the model produced stays (the shown text was conditioned on it); the token the display
+    # ended on (the trailing newlines) is kept as the terminator; the EOS token after it is dropped.
+    assert tokenizer.decode(kept).strip() == "return a + b" and tokenizer.decode(kept).endswith("\n")
     assert kept == rec.completion_token_ids[: len(kept)] and tokenizer.eos_token_id not in kept
 
 

@@ -12,6 +12,7 @@ import asyncio
 import httpx
 import pytest
 import redis
+from safetensors import safe_open
 
 from onlinerl.config import OnlineRLConfig
 from onlinerl.fim import get_template
@@ -53,6 +54,7 @@ def stack(tiny_model_path, tmp_path_factory):
                 "engine": "torch",
                 "torchThreads": 1,
                 "checkpoint": {"everySteps": 1},
+                "lora": {"lastLayers": 1},  # an adapter on the last layer only: vLLM must load it as it is
             },
         }
     )
@@ -116,7 +118,11 @@ def test_every_hop_end_to_end(stack):
         timeout=240,
         what="policy v1 to become stable",
     )
-    assert (stack.paths.state / "checkpoints" / cfg.job / "v1" / "manifest.json").is_file()
+    v1 = stack.paths.state / "checkpoints" / cfg.job / "v1"
+    assert (v1 / "manifest.json").is_file()
+    tensors = safe_open(str(v1 / "adapter_model.safetensors"), "pt")
+    adapted = {name.split(".layers.")[1].split(".")[0] for name in tensors.keys()}  # noqa: SIM118 - not a dict
+    assert adapted == {"1"}  # lastLayers: 1 of the tiny model's 2
     assert r.xlen(keys.samples) == 0  # acknowledged and deleted only after the checkpoint
 
     async def next_completion():

@@ -62,18 +62,3 @@ def test_timeline_plot(tmp_path):
     assert version_changes(rows) == [(41, 1), (81, 2)]
     png = plot_accept_rate(path, tmp_path / "p.png", window=10)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_continue_postprocess_single_line_mode():
-    from onlinerl.loop.user_model import continue_postprocess
-
-    assert continue_postprocess("compute(a)\n    more()", "x = ", "") == "compute(a)"  # mid-line: one line
-    assert continue_postprocess("\n    other()", "x = ", "") == ""  # mid-line starting with a newline: nothing
-
-
-def test_continue_postprocess_multi_line_mode():
-    from onlinerl.loop.user_model import continue_postprocess
-
-    prefix = "def f():\n    "
-    assert continue_postprocess("a = 1\n    b = 2\n    return b\n", prefix, "\n    return b\n") == "a = 1\n    b = 2"
-    assert continue_postprocess("a = 1\na = 1\na = 1", prefix, "") == "a = 1"  # repeating lines stop

@@ -22,6 +22,7 @@ from onlinerl_serving.engine import start_vllm
 
 from onlinerl.config import from_mapping
 from onlinerl.fim import get_template
+from onlinerl.holds import active_holds, hold, release
 from onlinerl.keys import Keys
 from onlinerl.procs import Child, wait_for
 from onlinerl.schemas import PolicyTable, PolicyVersionState, RolloutRecord, adapter_name
@@ -237,6 +238,39 @@ def test_non_stream_is_recorded_and_counted(stack: Stack) -> None:
     assert int(stack.redis.hget(stack.keys.stats(0, "base"), "served")) == served_before + 1
 
 
+def _series_sum(text: str, name: str, *labels: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and all(lab in line for lab in labels)
+    )
+
+
+def test_non_stream_client_that_leaves_aborts_the_generation(stack: Stack) -> None:
+    """A non-streaming client that gives up must not leave vLLM generating 1,500 tokens for nobody."""
+    with stack.gateway.client() as c:
+        before = _series_sum(c.get("/engine/metrics").text, "vllm:generation_tokens_total")
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(
+                "/v1/completions",
+                json=continue_body(max_tokens=1500, stream=False, temperature=0.0),
+                headers=AUTH,
+                timeout=httpx.Timeout(0.5, connect=5.0),
+            )
+        wait_for(
+            lambda: _series_sum(c.get("/metrics").text, "onlinerl_serving_requests_total", 'code="499"') >= 1,
+            10,
+            what="the gateway to see the client leave",
+        )
+        wait_for(
+            lambda: _series_sum(c.get("/engine/metrics").text, "vllm:num_requests_running") == 0,
+            15,
+            what="vLLM to drop the abandoned request",
+        )
+        generated = _series_sum(c.get("/engine/metrics").text, "vllm:generation_tokens_total") - before
+    assert generated < 1500  # stopped early: the upstream connection was closed and vLLM aborted
+
+
 def test_gateway_metrics_count_what_was_served(stack: Stack) -> None:
     with stack.gateway.client() as c:
         metrics = c.get("/metrics").text
@@ -354,6 +388,19 @@ def test_newer_versions_retire_the_oldest_beyond_keep(stack: Stack) -> None:
             10,
             what="gateway serving v3",
         )
+
+
+def test_an_evaluation_hold_brings_a_retired_version_back_until_released(stack: Stack) -> None:
+    key = Keys(JOB).holds
+    assert (version_state(stack, 1) or PolicyVersionState(version=1)).state == "retired"
+    assert hold(stack.redis, key, [0, 1], seconds=300) == [1]  # the base model needs no hold
+    wait_for(lambda: adapter_name(JOB, 1) in engine_models(stack), 30, what="held v1 loaded again")
+    assert policy(stack).stable == 3  # a hold keeps a version loaded; it does not route users to it
+    release(stack.redis, key, [1])
+    wait_for(lambda: adapter_name(JOB, 1) not in engine_models(stack), 30, what="released v1 retired again")
+    hold(stack.redis, key, [1], seconds=-1)  # an expired hold holds nothing
+    assert active_holds(stack.redis.hgetall(key), time.time()) == set()
+    release(stack.redis, key, [1])
 
 
 def test_vllm_losing_adapters_gets_them_back(stack: Stack) -> None:

@@ -137,12 +137,16 @@ def test_reward_moves_the_policy_and_versions_are_published(tmp_path, redis_clie
     assert "onlinerl_trainer_policy_version 3.0" in text
 
     # --- guard: non-finite weights are never published ------------------------------------------------------------
-    xadd_samples(redis_client, [make_sample(999, prompts[0], [*body, newline], [-1.0] * (len(body) + 1), 1.0, 3)])
-    trainer.train_on(trainer.collect())
+    guarded = [
+        make_sample(990 + i, prompts[0], [*body, newline], [-1.0] * (len(body) + 1), r, 3)
+        for i, r in [(0, 1.0), (1, 0.0)]
+    ]
+    xadd_samples(redis_client, guarded)  # two rewards: a batch baseline leaves them non-zero advantages
+    assert trainer.train_on(trainer.collect()) is not None
     with torch.no_grad():
         next(p for p in trainer.engine.module.parameters() if p.requires_grad).fill_(float("nan"))
     with pytest.raises(NonFiniteWeightsError):
         trainer.publish()
     assert store.versions() == [1, 2, 3] and redis_client.xlen(keys.checkpoints) == 3
-    assert redis_client.xlen(keys.samples) == 1  # the sample stays pending: a restart retrains it from v3
+    assert redis_client.xlen(keys.samples) == 2  # the samples stay pending: a restart retrains them from v3
     assert 'onlinerl_trainer_skipped_steps_total{reason="nonfinite_weights"} 1.0' in trainer.metrics.render().decode()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from onlinerl_trainer.batching import StreamSample
 from onlinerl_trainer.trainer import Trainer
 
 from onlinerl.keys import Keys
@@ -46,7 +47,7 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     trainer.start()
 
     # A partial batch closes batchTimeoutSeconds after its first entry.
-    xadd_samples(redis_client, [sample(i) for i in range(3)])
+    xadd_samples(redis_client, [sample(i, reward=-0.25 if i == 1 else 0.75) for i in range(3)])  # mixed: A != 0
     t0 = time.monotonic()
     entries = trainer.collect()
     waited = time.monotonic() - t0
@@ -92,3 +93,29 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     assert 0 < stats["is_weight_mean"] <= 0.5
     admitted = 3 + 4 * 2 + 4 + 2  # every valid sample is observed, dropped or not
     assert counter(trainer, "onlinerl_trainer_sample_staleness_versions_count") == admitted
+
+
+def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_client, valkey, tiny_model_path):
+    """1/0 rewards, no baseline, no KL: a reject has no gradient, so it costs no forward pass (and is not lost)."""
+    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.0})
+    trainer = Trainer(cfg, redis_client, tiny_model_path)
+    trainer.start()
+    ids = xadd_samples(redis_client, [sample(i, reward=1.0 if i == 0 else 0.0) for i in range(4)])
+    stats = trainer.train_on(trainer.collect())
+    assert stats is not None and stats["samples"] == 1.0  # only the accept went through the model
+    assert counter(trainer, "onlinerl_trainer_inert_samples_total") == 3.0
+    assert stream_ids(redis_client) == {ids[0]}  # the rejects are acknowledged; the accept waits for its checkpoint
+    assert trainer.publish() == 1 and stream_ids(redis_client) == set()
+    assert trainer.store.manifest(1).sample_count == 1
+
+    # All rejects: nothing to train, nothing left pending.
+    xadd_samples(redis_client, [sample(10 + i, reward=0.0) for i in range(3)])
+    assert trainer.train_on(trainer.collect()) is None
+    assert stream_ids(redis_client) == set() and counter(trainer, "onlinerl_trainer_inert_samples_total") == 6.0
+
+    # With a KL term every sample has a gradient again: nothing is skipped.
+    cfg_kl = trainer_config(
+        tmp_path / "ckpt2", valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.1}
+    )
+    rows = [StreamSample("1-0", sample(1, reward=1.0), 0), StreamSample("2-0", sample(2, reward=0.0), 0)]
+    assert Trainer(cfg_kl, redis_client, tiny_model_path)._without_inert(rows, [1.0, 0.0]) == (rows, [1.0, 0.0], [])

@@ -707,17 +707,19 @@ def trainer() -> dict[str, Any]:
             width=8,
         ),
         Panel(
-            "Stale samples by action",
+            "Stale and inert samples",
             "timeseries",
             [
                 (
                     f"sum by (action) (rate({sel('onlinerl_trainer_stale_samples_total')}[$__rate_interval]))",
-                    "{{action}}",
-                )
+                    "stale {{action}}",
+                ),
+                (f"sum(rate({sel('onlinerl_trainer_inert_samples_total')}[$__rate_interval]))", "inert (no gradient)"),
             ],
             "ops",
             width=8,
             stacked=True,
+            description="Acknowledged untrained: over the staleness limit, or zero advantage with no KL/entropy.",
         ),
         Panel(
             "Last step: samples/s and tokens/s",

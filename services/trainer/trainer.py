@@ -329,7 +329,7 @@ class Trainer:
         keep = [i for i, a in enumerate(adv) if a != 0.0]
         if len(keep) == len(samples):
             return samples, adv, []
-        inert = [s.sample_id for i, s in enumerate(samples) if i not in set(keep)]
+        inert = [s.sample_id for s, a in zip(samples, adv, strict=True) if a == 0.0]
         self.metrics.inert.inc(len(inert))
         return [samples[i] for i in keep], [adv[i] for i in keep], inert
 

@@ -22,6 +22,7 @@ import os
 import platform
 import random
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -35,6 +36,7 @@ from pathlib import Path
 import orjson
 import redis
 import yaml
+from proc_cpu import cpu_seconds, tree_cpu_seconds  # bench/ is sys.path[0] when run as a script
 
 from onlinerl.auth import write_keys_file
 from onlinerl.fim import get_template
@@ -198,12 +200,6 @@ def serve_naive(port: int, redis_url: str, stream: str) -> None:
     )
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (Linux /proc), to report CPU cost per event independent of box contention."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def valkey_pid(port: int) -> int:
     out = subprocess.run(["pgrep", "-f", f"valkey-server 127.0.0.1:{port}"], capture_output=True, text=True).stdout
     return int(out.split()[0])
@@ -251,6 +247,10 @@ def audit_stream(client: redis.Redis, stream: str, id_field: str) -> tuple[int, 
         start = "(" + page[-1][0].decode()
 
 
+def server_name(workers: int) -> str:
+    return "ours" if workers == 1 else f"ours-w{workers}"
+
+
 def measure_slice(
     name: str,
     child: Child,
@@ -264,7 +264,8 @@ def measure_slice(
 ) -> dict:
     """One wrk slice against one server, then the lost-event audit of exactly that slice's entries."""
     client.delete(stream)
-    cpu0, load0 = (cpu_seconds(child.pid), cpu_seconds(vk_pid)), os.getloadavg()[0]
+    cpu0, load0 = (tree_cpu_seconds(child.pid), cpu_seconds(vk_pid)), os.getloadavg()[0]
+    wrk0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = run_wrk(
         f"http://127.0.0.1:{port}/api/training/submit",
         tmp / "submit.lua",
@@ -273,13 +274,17 @@ def measure_slice(
         args.duration,
         uuid.uuid4().hex[:8],
     )
-    res["server_cpu_us_per_event"] = (cpu_seconds(child.pid) - cpu0[0]) / res["requests"] * 1e6
+    wrk1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk is our only child that exits during a slice
+    res["server_cpu_us_per_event"] = (tree_cpu_seconds(child.pid) - cpu0[0]) / res["requests"] * 1e6
+    wrk_cpu = (wrk1.ru_utime + wrk1.ru_stime) - (wrk0.ru_utime + wrk0.ru_stime)
+    res["wrk_cpu_us_per_event"] = wrk_cpu / res["requests"] * 1e6
     res["valkey_cpu_us_per_event"] = (cpu_seconds(vk_pid) - cpu0[1]) / res["requests"] * 1e6
     res["loadavg_1m"] = (load0, os.getloadavg()[0])
-    entries, distinct = audit_stream(client, stream, "event_id" if name == "ours" else "completionId")
+    ours = name != "naive"
+    entries, distinct = audit_stream(client, stream, "event_id" if ours else "completionId")
     client.delete(stream)
     # ours answers 200 for audited events too; only accepted_for_training ones belong in samples.
-    expected = res["trained"] if name == "ours" else res["ok"]
+    expected = res["trained"] if ours else res["ok"]
     res.update(
         server=name,
         connections=conns,
@@ -290,10 +295,11 @@ def measure_slice(
         double_counted=entries - distinct,
     )
     print(
-        f"{name:5s} c={conns:<4d} {res['ok_rps']:7.0f} ok/s  p50 {res['p50_us'] / 1000:6.1f} ms  "
+        f"{name:7s} c={conns:<4d} {res['ok_rps']:7.0f} ok/s  p50 {res['p50_us'] / 1000:6.1f} ms  "
         f"p99 {res['p99_us'] / 1000:6.1f} ms  ok={res['ok']} other={res['other']} errors={res['errors']} "
         f"expected={expected} in-stream={entries} lost={res['lost']}  cpu/event server "
-        f"{res['server_cpu_us_per_event']:.0f} us valkey {res['valkey_cpu_us_per_event']:.0f} us  "
+        f"{res['server_cpu_us_per_event']:.0f} us valkey {res['valkey_cpu_us_per_event']:.0f} us "
+        f"wrk {res['wrk_cpu_us_per_event']:.0f} us  "
         f"load {res['loadavg_1m'][1]:.1f}",
         flush=True,
     )
@@ -323,6 +329,7 @@ def summarize(results: list[dict]) -> list[dict]:
                 "double_counted": sum(r["double_counted"] for r in rs),
                 "server_cpu_us_per_event": statistics.median(r["server_cpu_us_per_event"] for r in rs),
                 "valkey_cpu_us_per_event": statistics.median(r["valkey_cpu_us_per_event"] for r in rs),
+                "wrk_cpu_us_per_event": statistics.median(r["wrk_cpu_us_per_event"] for r in rs),
                 "loadavg_1m_range": (min(min(r["loadavg_1m"]) for r in rs), max(max(r["loadavg_1m"]) for r in rs)),
             }
         )
@@ -336,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", default="8,32,128", help="comma-separated wrk connection counts")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--workers", default="1", help="comma-separated feedback.workers values, each its own server")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--serve-naive", nargs=3, metavar=("PORT", "REDIS_URL", "STREAM"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -347,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     keys = Keys(JOB)
-    streams = {"ours": keys.samples, "naive": keys.prefix + NAIVE_STREAM_SUFFIX}
+    worker_counts = [int(w) for w in args.workers.split(",")]
+    # Every variant of ours writes the job's samples stream; slices run one at a time and each empties it first.
+    streams = {server_name(w): keys.samples for w in worker_counts}
+    if not args.skip_naive:
+        streams["naive"] = keys.prefix + NAIVE_STREAM_SUFFIX
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="feedback-bench-") as tmp_s:
         tmp = Path(tmp_s)
@@ -367,23 +379,23 @@ def main(argv: list[str] | None = None) -> int:
             vk_pid = valkey_pid(vk.port)
             for rec, _ in corpus:
                 client.hset(keys.rollouts(rec.tenant, rec.prompt), rec.rollout_id, rec.to_json())
-            ports = {name: free_port() for name in streams if not (name == "naive" and args.skip_naive)}
+            ports = {name: free_port() for name in streams}
             argvs = {
-                "ours": python_module(
-                    "onlinerl_feedback", "--port", str(ports["ours"]), "--host", "127.0.0.1", "--redis-url", vk.url
-                ),
-                "naive": [
-                    sys.executable,
-                    str(Path(__file__).resolve()),
-                    "--serve-naive",
-                    str(ports.get("naive")),
-                    vk.url,
-                    streams["naive"],
-                ],
+                server_name(w): python_module(
+                    "onlinerl_feedback",
+                    *("--port", str(ports[server_name(w)]), "--host", "127.0.0.1", "--redis-url", vk.url),
+                    *("--workers", str(w)),
+                )
+                for w in worker_counts
             }
+            argvs["naive"] = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                *("--serve-naive", str(ports.get("naive")), vk.url, streams.get("naive", "")),
+            ]
             children: dict[str, Child] = {}
             try:
-                for name, port in ports.items():  # both stay up; slices alternate so load drift hits both alike
+                for name, port in ports.items():  # all stay up; slices alternate so load drift hits all alike
                     children[name] = Child(
                         name, argvs[name], tmp / f"{name}.log", env={"ONLINERL_CONFIG": str(tmp / "config.yaml")}
                     ).start()
@@ -401,10 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     for s in summary:
         print(
-            f"SUMMARY {s['server']:5s} c={s['connections']:<4d} {s['ok_rps']:6.0f} ok/s (rounds "
+            f"SUMMARY {s['server']:7s} c={s['connections']:<4d} {s['ok_rps']:6.0f} ok/s (rounds "
             f"{s['ok_rps_per_round']})  p50 {s['p50_ms_median']:.1f} ms  p99 {s['p99_ms_median']:.1f} ms  "
             f"lost {s['lost']}  double {s['double_counted']}  cpu/event {s['server_cpu_us_per_event']:.0f} us + "
-            f"valkey {s['valkey_cpu_us_per_event']:.0f} us  load {s['loadavg_1m_range']}"
+            f"valkey {s['valkey_cpu_us_per_event']:.0f} us + wrk {s['wrk_cpu_us_per_event']:.0f} us  "
+            f"load {s['loadavg_1m_range']}"
         )
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -26,14 +26,16 @@ import httpx
 import orjson
 import yaml
 from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
+from proc_cpu import cpu_seconds  # bench/ is sys.path[0] when run as a script
 
 from onlinerl.auth import write_keys_file
-from onlinerl.config import from_mapping
+from onlinerl.config import OnlineRLConfig, from_mapping
 from onlinerl.fim import get_template
 from onlinerl.procs import Child, python_module
 from onlinerl.valkey import EmbeddedValkey, free_port
 
 KEY = "sk-bench-0123456789"
+STREAM_INTERVAL = OnlineRLConfig().serving.stream_interval  # what the gateway asks vLLM for by default
 QWEN = get_template("qwen")
 PROMPT = QWEN.render("import os\n\ndef read_config(path):\n    with open(path) as f:\n        return ", "\n")
 
@@ -69,12 +71,6 @@ def timed(client: httpx.Client, url: str, payload: bytes, headers: dict, stream:
     return (ttft if ttft is not None else total), total
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux): the gateway's own CPU cost, which box contention does not inflate."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def overhead_histogram(gateway_url: str) -> tuple[float, float]:
     """(count, sum) of onlinerl_serving_gateway_overhead_seconds from the gateway's /metrics."""
     count = total = 0.0
@@ -96,7 +92,7 @@ def run(engine_url: str, gateway_url: str, n: int, max_tokens: int, warmup: int)
     paths = {}
     for stream in (False, True):
         plain = orjson.dumps(body(stream, max_tokens))
-        cap = upstream_body(parse_completion_request(plain, limits), "onlinerl-base")
+        cap = upstream_body(parse_completion_request(plain, limits), "onlinerl-base", STREAM_INTERVAL)
         paths[stream] = [
             ("direct", f"{engine_url}/v1/completions", plain, {"content-type": "application/json"}),
             ("direct+cap", f"{engine_url}/v1/completions", cap, {"content-type": "application/json"}),

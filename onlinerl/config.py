@@ -112,6 +112,14 @@ class ServingConfig(_Section):
         description="Floor on the sampling temperature of routed traffic, so the policy sees alternatives to its "
         "greedy answer (Continue asks 0.01). Recorded per rollout; evaluation requests keep the client's value.",
     )
+    stream_interval: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="vLLM streams the first token at once, then tokens in groups of this many (and the last ones "
+        "when done): fewer SSE events to relay and serialize. Continue shows a completion only once it is complete, "
+        "so neither time to first token nor total time changes. 1 = an event per token.",
+    )
     weights_mode: Literal["lora", "full"] = "lora"
     lora: ServingLoraConfig = Field(default_factory=ServingLoraConfig)
     keep_versions: int = Field(3, ge=1, le=64)
@@ -146,6 +154,13 @@ class FeedbackConfig(_Section):
     host: str = "0.0.0.0"
     port: int = Field(8002, ge=1, le=65535)
     replicas: int = Field(1, ge=0, le=1000)
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Server processes per pod sharing one port; give the pod about one CPU per worker. "
+        "Above 1, metrics use Prometheus multiprocess mode.",
+    )
     max_body_bytes: int = Field(256 * 1024, ge=1024)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     train_unmatched: bool = Field(

@@ -1,5 +1,9 @@
 """HTTP layer of the feedback service: ``POST /api/training/submit`` plus health, readiness and metrics.
 
+The submit route is plain ASGI in front of the FastAPI app (``with_submit_route``): it is the only hot path, and
+FastAPI's middleware stack, request object and dependency solving cost about a quarter of the server's CPU per
+event there (py-spy, bench/feedback_load.py). Everything else (health, metrics, 404/405) stays FastAPI.
+
 Order of checks, cheapest first, so a stranger never makes us read or parse a body: declared size (413), bearer key
 (401), project (403), streamed size (413), JSON and fields (422), backlog (429), then the Redis work (503 when Redis
 does not answer). Every reply carries ``status``; errors also carry the OpenAI-style ``error`` object.
@@ -14,15 +18,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig
@@ -39,7 +43,7 @@ from .store import FeedbackStore
 log = logging.getLogger("onlinerl_feedback")
 
 SUBMIT_PATH = "/api/training/submit"
-PROJECT_HEADER = "x-project-id"
+PROJECT_HEADER = b"x-project-id"
 UNKNOWN_TENANT = "unknown"
 
 
@@ -91,20 +95,28 @@ def redis_client(url: str, connect_timeout: float = 0.5, timeout: float = 2.0) -
     )
 
 
-async def read_capped(request: Request, cap: int) -> bytes:
+async def read_capped(receive: Receive, cap: int) -> bytes:
     """The body, refusing to buffer more than ``cap`` bytes whatever Content-Length claimed (chunked uploads)."""
     chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise Reject(413, "body_too_large", f"request body exceeds feedback.maxBodyBytes={cap} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise Reject(
-            400, "client_disconnected", "the client closed the connection before the body was complete"
-        ) from None
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Reject(400, "client_disconnected", "the client closed the connection before the body was complete")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            raise Reject(413, "body_too_large", f"request body exceeds feedback.maxBodyBytes={cap} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+_SUBMIT_HEADERS = frozenset((b"content-length", b"authorization", PROJECT_HEADER))
+
+
+def request_headers(scope: Scope) -> dict[bytes, bytes]:
+    """The few headers the submit path reads; ASGI servers hand header names over lower-cased."""
+    return {name: value for name, value in scope["headers"] if name in _SUBMIT_HEADERS}
 
 
 def parse_event(body: bytes) -> CompletionOutcome:
@@ -153,11 +165,16 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
     app = FastAPI(title="onlinerl feedback", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
 
-    def reply(code: int, body: dict, headers: dict | None = None) -> Response:
-        metrics.responses.labels(str(code)).inc()
-        return Response(orjson.dumps(body), status_code=code, media_type="application/json", headers=headers)
+    retry_after_header = [(b"retry-after", str(fb.retry_after_seconds).encode())]
 
-    def refuse(r: Reject) -> Response:
+    async def reply(send: Send, code: int, body: dict, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        metrics.responses.labels(str(code)).inc()
+        payload = orjson.dumps(body)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": code, "headers": headers + (extra or [])})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def refuse(send: Send, r: Reject) -> None:
         metrics.events.labels(REJECTED, r.tenant).inc()
         body = {
             "status": REJECTED,
@@ -169,13 +186,14 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
                 "code": r.reason,
             },
         }
-        return reply(r.code, body, retry_after if r.retry_after else None)
+        await reply(send, r.code, body, retry_after_header if r.retry_after else None)
 
-    def authenticate(request: Request) -> str:
-        tenant = keyring.tenant_for(bearer_token(request.headers.get("authorization")))
+    def authenticate(headers: dict[bytes, bytes]) -> str:
+        authorization = headers.get(b"authorization")
+        tenant = keyring.tenant_for(bearer_token(authorization.decode("latin-1") if authorization else None))
         if tenant is None:
             raise Reject(401, "unauthorized", "missing or unknown API key: send `Authorization: Bearer <key>`")
-        project = request.headers.get(PROJECT_HEADER)
+        project = headers.get(PROJECT_HEADER)
         if not project:
             raise Reject(
                 403,
@@ -183,23 +201,25 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
                 "header X-Project-ID is required and must name your project (Continue: completionTrackingHeaders)",
                 tenant=tenant,
             )
-        if project != tenant:
+        if project.decode("latin-1") != tenant:
             raise Reject(
                 403, "wrong_project", "this API key does not belong to the project in X-Project-ID", tenant=tenant
             )
         return tenant
 
-    async def handle(request: Request) -> Response:
-        declared = request.headers.get("content-length")
+    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = request_headers(scope)
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > fb.max_body_bytes:
             raise Reject(
                 413,
                 "body_too_large",
-                f"request body exceeds feedback.maxBodyBytes={fb.max_body_bytes} bytes (Content-Length {declared})",
+                f"request body exceeds feedback.maxBodyBytes={fb.max_body_bytes} bytes "
+                f"(Content-Length {declared.decode()})",
             )
-        tenant = authenticate(request)
+        tenant = authenticate(headers)
         try:
-            event = parse_event(await read_capped(request, fb.max_body_bytes))
+            event = parse_event(await read_capped(receive, fb.max_body_bytes))
         except Reject as r:
             r.tenant = tenant
             raise
@@ -229,9 +249,8 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
         body = {"completion_id": event.completion_id, "tenant": tenant}
         if not result.new:
             metrics.events.labels(DUPLICATE, tenant).inc()
-            return reply(
-                200, {"status": DUPLICATE, **body, "first_outcome": result.outcome, "entry_id": result.entry_id}
-            )
+            first = {"status": DUPLICATE, **body, "first_outcome": result.outcome, "entry_id": result.entry_id}
+            return await reply(send, 200, first)
         metrics.events.labels(decision.status, tenant).inc()
         if decision.status == UNMATCHED or (decision.status == ACCEPTED and decision.reason):
             metrics.join_misses.labels(decision.reason).inc()
@@ -244,15 +263,14 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
         out = {"status": decision.status, **body, id_field: result.entry_id, **decision.details}
         if decision.reason:
             out["reason"] = decision.reason
-        return reply(200, out)
+        await reply(send, 200, out)
 
-    @app.post(SUBMIT_PATH)
-    async def submit(request: Request) -> Response:
+    async def submit(scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         try:
-            return await handle(request)
+            await handle(scope, receive, send)
         except Reject as r:
-            return refuse(r)
+            await refuse(send, r)
         finally:
             metrics.duration.observe(time.perf_counter() - started)
 
@@ -276,6 +294,18 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return with_submit_route(app, submit)
+
+
+def with_submit_route(app: FastAPI, submit: ASGIApp) -> ASGIApp:
+    """``POST /api/training/submit`` goes straight to ``submit``; everything else (lifespan included) to FastAPI."""
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == SUBMIT_PATH and scope["method"] == "POST":
+            await submit(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return asgi

@@ -13,6 +13,7 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from onlinerl.aio import cancel_and_wait
 from onlinerl.keys import SAMPLES_GROUP, Keys
 
 from .metrics import FeedbackMetrics
@@ -64,10 +65,5 @@ class BacklogMonitor:
             self._task = asyncio.create_task(self._run(), name="backlog-monitor")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

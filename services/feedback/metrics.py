@@ -1,8 +1,18 @@
-"""Prometheus metrics of the feedback service: names and labels exactly as in docs/architecture.md."""
+"""Prometheus metrics of the feedback service: names and labels exactly as in docs/architecture.md.
+
+With several worker processes (``feedback.workers`` > 1) every worker writes its values to files under
+``$PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, chosen when that variable is set before the
+library is imported), and ``/metrics`` on any worker sums them, so one scrape sees the whole pod.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class FeedbackMetrics:
@@ -10,7 +20,10 @@ class FeedbackMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         r = self.registry
+        # Gauges: every worker refreshes the same backlog figures, so the pod's value is the latest one written.
+        gauge_mode = "mostrecent" if self.multiprocess_dir else "all"
         self.events = Counter(
             "onlinerl_feedback_events_total",
             "Feedback events by outcome and tenant.",
@@ -41,7 +54,23 @@ class FeedbackMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=r,
         )
-        self.backlog = Gauge("onlinerl_feedback_backlog", "Unconsumed samples (XLEN samples).", registry=r)
-        self.consumer_lag = Gauge(
-            "onlinerl_feedback_consumer_lag", "Samples never delivered to group trainers.", registry=r
+        self.backlog = Gauge(
+            "onlinerl_feedback_backlog",
+            "Unconsumed samples (XLEN samples).",
+            registry=r,
+            multiprocess_mode=gauge_mode,
         )
+        self.consumer_lag = Gauge(
+            "onlinerl_feedback_consumer_lag",
+            "Samples never delivered to group trainers.",
+            registry=r,
+            multiprocess_mode=gauge_mode,
+        )
+
+    def exposition(self) -> bytes:
+        """The text for ``/metrics``: this process's registry, or every worker's values in multiprocess mode."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return generate_latest(merged)

@@ -1,9 +1,9 @@
-"""Group commit for Redis: coalesce the commands of concurrent requests into one pipeline round trip.
+"""Group commit for Redis: coalesce the commands of concurrent requests into one pipelined write.
 
 Under load, each request would otherwise pay its own round trip (and, with ``appendfsync always``, its own fsync
 wait). Here a single flusher sends whatever accumulated while the previous batch was in flight, so the number of
 round trips (and fsyncs) grows with time, not with request rate. Each caller still gets its own reply (or error),
-and only after Redis answered it.
+and only after Redis answered it. The wire work is ``onlinerl.redis_pipe`` (raw RESP, no redis-py Pipeline).
 """
 
 from __future__ import annotations
@@ -13,17 +13,19 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from onlinerl.aio import cancel_and_wait
+from onlinerl.redis_pipe import PipelinedConnection, RedisUnavailable
 
-class RedisUnavailable(RuntimeError):
-    """Redis did not answer (connection refused, reset or timed out): the request gets 503 + Retry-After."""
+__all__ = ["Pipeliner", "RedisUnavailable"]
 
 
 class Pipeliner:
-    """Batches ``execute_command`` calls; at most ``max_batch`` commands per round trip, one batch in flight,
-    at most ``max_pending`` waiting."""
+    """Batches commands; at most ``max_batch`` per write, one batch in flight, at most ``max_pending`` waiting.
+    Replies come back as the connection's protocol sends them (HGETALL: a dict under RESP3, a flat list under RESP2).
+    """
 
     def __init__(self, client: Redis, max_batch: int = 256, max_pending: int = 4096) -> None:
-        self._client = client
+        self._conn = PipelinedConnection(client)
         self._max_batch = max_batch
         self._max_pending = max_pending
         self._pending: list[tuple[tuple[Any, ...], asyncio.Future]] = []
@@ -37,13 +39,9 @@ class Pipeliner:
             self._task = asyncio.create_task(self._run(), name="redis-pipeliner")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
+        await self._conn.close()
         for _, fut in self._pending:
             if not fut.done():
                 fut.set_exception(RedisUnavailable("feedback service is shutting down"))
@@ -72,20 +70,17 @@ class Pipeliner:
         self.batches += 1
         self.commands += len(batch)
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for args, _ in batch:
-                pipe.execute_command(*args)
-            results = await pipe.execute(raise_on_error=False)
-        except Exception as exc:  # any I/O failure fails the whole batch, none is acknowledged
-            err = RedisUnavailable(f"redis unavailable: {type(exc).__name__}: {exc}")
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(err)
+            replies = await self._conn.send([args for args, _ in batch])
+        except RedisUnavailable as err:  # nothing of this batch is acknowledged
+            for _, caller in batch:
+                if not caller.done():
+                    caller.set_exception(err)
             return
-        for (_, fut), result in zip(batch, results, strict=True):
-            if fut.done():  # the client went away; Redis still did the work (dedupe makes a retry safe)
+        await asyncio.wait(replies)  # the next batch forms meanwhile: that is the group commit
+        for (_, caller), reply in zip(batch, replies, strict=True):
+            if caller.done():  # the client went away; Redis still did the work (dedupe makes a retry safe)
                 continue
-            if isinstance(result, Exception):
-                fut.set_exception(result)
+            if reply.exception() is not None:
+                caller.set_exception(reply.exception())
             else:
-                fut.set_result(result)
+                caller.set_result(reply.result())

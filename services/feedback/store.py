@@ -66,8 +66,9 @@ class FeedbackStore:
     async def rollouts(self, tenant: str, prompt: str) -> list[RolloutRecord]:
         """Every rollout recorded for this tenant and prompt; a malformed record is skipped (it cannot be joined)."""
         raw = await self._reads.call("HGETALL", self._keys.rollouts(tenant, prompt))
+        values = raw.values() if isinstance(raw, dict) else (raw or [])[1::2]  # RESP3 map or RESP2 flat list
         records = []
-        for value in (raw or {}).values():
+        for value in values:
             try:
                 records.append(RolloutRecord.model_validate_json(value))
             except ValueError:

@@ -1,17 +1,20 @@
 """Rollout capture: accumulate what vLLM generated, strip what the client did not ask for, store the record.
 
-The record must reach Redis before the client sees the end of the response (``data: [DONE]`` or the JSON body), so
-a feedback upload, which can only follow that, always finds it.
+The record's write must reach Redis before the client sees the end of the response (``data: [DONE]`` or the JSON
+body), so a feedback upload, which can only follow that, always finds it. Its acknowledgement (which waits for the
+AOF fsync) is awaited after the response is out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from onlinerl.keys import Keys
+from onlinerl.redis_pipe import PipelinedConnection
 from onlinerl.schemas import RolloutRecord, SamplingParams
 
 # Fields an OpenAI client expects; vLLM's extras (token_ids, stop_reason, kv_transfer_params...) never leave the pod.
@@ -114,13 +117,26 @@ return redis.call('HINCRBY', KEYS[2], 'served', 1)
 
 
 class RolloutStore:
-    """Writes rollout records (a registered Lua script: EVALSHA, falling back to EVAL after a Redis restart)."""
+    """Writes rollout records on a pipelined connection, so a write can be on the wire before its reply is awaited.
+
+    Plain EVAL of the short script (no EVALSHA): Redis hashes and caches it, and there is no NOSCRIPT round trip
+    after a Redis restart that would leave the record unwritten when the client's ``[DONE]`` goes out."""
 
     def __init__(self, redis: Any, keys: Keys, ttl_seconds: int) -> None:
         self.keys = keys
         self.ttl = str(ttl_seconds)
-        self._script = redis.register_script(_STORE_ROLLOUT)
+        self._pipe = PipelinedConnection(redis)
+
+    async def send(self, record: RolloutRecord) -> asyncio.Future:
+        """Send the write now (readable by others once Redis reads it); the future is Redis's acknowledgement."""
+        keys = [self.keys.rollouts(record.tenant, record.prompt), self.keys.stats(record.policy_version, record.arm)]
+        (acknowledged,) = await self._pipe.send(
+            [("EVAL", _STORE_ROLLOUT, len(keys), *keys, record.rollout_id, record.to_json(), self.ttl)]
+        )
+        return acknowledged
 
     async def store(self, record: RolloutRecord) -> None:
-        keys = [self.keys.rollouts(record.tenant, record.prompt), self.keys.stats(record.policy_version, record.arm)]
-        await self._script(keys=keys, args=[record.rollout_id, record.to_json(), self.ttl])
+        await (await self.send(record))
+
+    async def close(self) -> None:
+        await self._pipe.close()

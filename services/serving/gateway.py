@@ -2,8 +2,8 @@
 
 ``python -m onlinerl_serving.gateway`` (config from :func:`onlinerl.config.load_config`). The completions route is a
 raw ASGI app: it decides the status only after vLLM answered, relays the SSE stream chunk by chunk (stripping what the
-client did not ask for while keeping token ids and log-probs for the record), stores the rollout record before the
-client's ``data: [DONE]``, and aborts the upstream request as soon as the client goes away.
+client did not ask for while keeping token ids and log-probs for the record), sends the rollout record's write to
+Redis before the client's ``data: [DONE]``, and aborts the upstream request as soon as the client goes away.
 """
 
 from __future__ import annotations
@@ -189,20 +189,35 @@ class Gateway:
                 f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
             ) from None
 
+    async def _open_and_read(self, body: bytes) -> UpstreamResponse:
+        """Non-streaming: open the request and read the whole response (vLLM sends its headers only when done)."""
+        resp = await self._open_upstream(body)
+        try:
+            await resp.read()
+        except EngineUnavailable as exc:
+            await resp.aclose()
+            raise unavailable(
+                f"the inference engine failed mid-request ({exc})", self.cfg.serving.retry_after_seconds
+            ) from None
+        except BaseException:
+            await resp.aclose()  # unread: closing the connection makes vLLM abort the generation
+            raise
+        return resp
+
     async def _open_unless_client_leaves(self, body: bytes, receive: Receive | None) -> UpstreamResponse | None:
-        """Open the upstream request; with ``receive`` (non-streaming: vLLM sends its headers only once the whole
-        completion is done) give up, closing the connection so vLLM aborts, as soon as the client disconnects."""
+        """Streaming (no ``receive``): open the request. Non-streaming: open and read it all, unless the client
+        disconnects first; then the connection is closed unread, so vLLM aborts instead of finishing for nobody."""
         if receive is None:
             return await self._open_upstream(body)
-        opening = asyncio.ensure_future(self._open_upstream(body))
+        work = asyncio.ensure_future(self._open_and_read(body))
         gone = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            await asyncio.wait({opening, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if opening.done():
-                return opening.result()
-            opening.cancel()
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
             with contextlib.suppress(asyncio.CancelledError, ApiError):
-                await opening
+                await work
             return None
         finally:
             gone.cancel()
@@ -225,7 +240,8 @@ class Gateway:
             self.inflight[model] += 1
             try:
                 overhead = time.perf_counter() - t0
-                resp = await self._open_unless_client_leaves(upstream_body(req, model), None if req.stream else receive)
+                body = upstream_body(req, model, self.cfg.serving.stream_interval)
+                resp = await self._open_unless_client_leaves(body, None if req.stream else receive)
                 if resp is None:
                     return 499, r.arm, r.version  # a non-streaming client left while vLLM was generating
                 if resp.status_code == 404 and attempt == 0 and r.version != 0:
@@ -259,8 +275,13 @@ class Gateway:
                     del self.inflight[model]
         raise AssertionError("unreachable")
 
-    async def _record(self, ctx: _Ctx, acc: RolloutAccumulator) -> None:
-        """Store the rollout record; a Redis failure costs the record (counted, logged), never the completion."""
+    async def _start_record(self, ctx: _Ctx, acc: RolloutAccumulator) -> asyncio.Future:
+        """Send the record's write and return once it is on the wire, before the client's ``[DONE]``.
+
+        Redis applies a command as soon as it reads it; with ``appendfsync always`` only the *reply* waits for the
+        fsync (milliseconds). So the record is readable by the feedback service before the client can have the
+        completion, while the client no longer waits for the disk. The caller awaits the returned future last."""
+        loop = asyncio.get_running_loop()
         if not acc.consistent():
             log.error(
                 "vLLM returned %d tokens, %d logprobs, %d offsets: record not stored",
@@ -269,7 +290,9 @@ class Gateway:
                 len(acc.offsets),
             )
             self.metrics.record_errors.inc()
-            return
+            done = loop.create_future()
+            done.set_result(None)
+            return done
         record = acc.to_record(
             tenant=ctx.tenant,
             arm=ctx.route.arm,
@@ -282,7 +305,16 @@ class Gateway:
             rollout_id=ctx.rollout_id,
         )
         try:
-            await self.rollouts.store(record)
+            acknowledged = await self.rollouts.send(record)
+        except Exception as exc:
+            acknowledged = loop.create_future()
+            acknowledged.set_exception(exc)
+        return asyncio.ensure_future(self._recorded(ctx, acknowledged))
+
+    async def _recorded(self, ctx: _Ctx, acknowledged: asyncio.Future) -> None:
+        """A Redis failure costs the record (counted, logged), never the completion."""
+        try:
+            await acknowledged
             self.metrics.recorded.labels(str(ctx.route.version), ctx.route.arm).inc()
         except Exception as exc:
             log.error("rollout record %s not stored: %s", ctx.rollout_id, exc)
@@ -291,35 +323,24 @@ class Gateway:
     async def _relay_body(
         self, resp: UpstreamResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
     ) -> int:
-        """Non-streaming: wait for the whole completion, unless the client leaves first. Then the upstream connection
-        is closed unread, which makes vLLM abort the generation instead of finishing it for nobody."""
-        read = asyncio.ensure_future(resp.read())
-        gone = asyncio.ensure_future(wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not read.done():
-                read.cancel()
-                with contextlib.suppress(asyncio.CancelledError, EngineUnavailable):
-                    await read
-                return 499  # nothing to send: the client is gone
-            raw = read.result()
-        except EngineUnavailable as exc:
-            raise unavailable(
-                f"the inference engine failed mid-request ({exc})", self.cfg.serving.retry_after_seconds
-            ) from None
-        finally:
-            gone.cancel()
-            await resp.aclose()
+        """Non-streaming: the response was read whole while watching the client (``_open_unless_client_leaves``)."""
+        raw = await resp.read()
+        await resp.aclose()
         t = time.perf_counter()
         payload = orjson.loads(raw)
         acc = RolloutAccumulator()
         for choice in payload.get("choices", ())[:1]:
             acc.add_choice(choice)
-        await self._record(ctx, acc)
-        body = orjson.dumps(client_view(payload, logprobs=ctx.req.client_logprobs, token_ids=ctx.req.client_token_ids))
-        self.metrics.overhead.observe(ctx.overhead + time.perf_counter() - t)
-        await _send_response(send, 200, body, headers)
-        self.metrics.duration.labels("false").observe(time.perf_counter() - ctx.t0)
+        recording = await self._start_record(ctx, acc)
+        try:
+            body = orjson.dumps(
+                client_view(payload, logprobs=ctx.req.client_logprobs, token_ids=ctx.req.client_token_ids)
+            )
+            self.metrics.overhead.observe(ctx.overhead + time.perf_counter() - t)
+            await _send_response(send, 200, body, headers)
+            self.metrics.duration.labels("false").observe(time.perf_counter() - ctx.t0)
+        finally:
+            await recording
         return 200
 
     async def _relay_stream(
@@ -334,6 +355,7 @@ class Gateway:
         watcher = asyncio.create_task(watch_disconnect())
         acc = RolloutAccumulator()
         overhead, first, done, errored = ctx.overhead, True, False, False
+        recording: asyncio.Future | None = None
         try:
             await send(
                 {
@@ -348,6 +370,8 @@ class Gateway:
             async for data in resp.chunks():
                 if disconnected.is_set():
                     return 499
+                if done:
+                    continue  # after [DONE] only the end of vLLM's body is left: read it so the connection is reused
                 t = time.perf_counter()
                 buf += data
                 out = []
@@ -357,14 +381,14 @@ class Gateway:
                         continue
                     payload = event[6:]
                     if payload == b"[DONE]":
-                        if out:  # the client gets all its text now; only [DONE] waits for the record write
+                        if out:  # the client gets all its text before the record write goes out
                             await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                             out = []
                         if not errored:  # vLLM reported an error mid-stream: the text is not a rollout
-                            await self._record(ctx, acc)
+                            recording = await self._start_record(ctx, acc)
                         out.append(b"data: [DONE]\n\n")
                         done = True
-                        continue
+                        break
                     chunk = orjson.loads(payload)
                     if "error" in chunk:
                         errored = True
@@ -376,7 +400,8 @@ class Gateway:
                     out.append(b"data: " + orjson.dumps(view) + b"\n\n")
                 if out:
                     overhead += time.perf_counter() - t
-                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    # [DONE] and the end of the body go out in one write, without waiting for vLLM's own end
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": not done})
                     if first:
                         self.metrics.ttft.observe(time.perf_counter() - ctx.t0)
                         first = False
@@ -390,13 +415,14 @@ class Gateway:
                     }
                 }
                 await send(
-                    {"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n", "more_body": True}
+                    {"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n", "more_body": False}
                 )
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.metrics.overhead.observe(overhead)
             self.metrics.duration.labels("true").observe(time.perf_counter() - ctx.t0)
             return 200 if done and not errored else 502
         except EngineUnavailable as exc:
+            if done:  # the client already has everything, [DONE] included; only vLLM's body end was lost
+                return 502 if errored else 200
             log.warning("upstream stream failed: %s", exc)
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -404,6 +430,8 @@ class Gateway:
         finally:
             watcher.cancel()
             await resp.aclose()
+            if recording is not None:
+                await recording  # logs and counts its own failure
 
 
 class _Ctx:
@@ -523,6 +551,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette
         finally:
             await gw.state.stop()
             pool.close()
+            await gw.rollouts.close()
             await redis.aclose()
 
     app = Starlette(

@@ -158,8 +158,9 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
     )
 
 
-def upstream_body(req: CompletionRequest, served_model: str) -> bytes:
-    """The JSON body for vLLM: the client's request, routed to ``served_model``, asking for ids and log-probs."""
+def upstream_body(req: CompletionRequest, served_model: str, stream_interval: int = 1) -> bytes:
+    """The JSON body for vLLM: the client's request, routed to ``served_model``, asking for ids and log-probs
+    (and, streaming, for tokens in groups of ``stream_interval`` after the first: serving.streamInterval)."""
     body: dict[str, Any] = {
         "model": served_model,
         "prompt": req.prompt,
@@ -172,6 +173,8 @@ def upstream_body(req: CompletionRequest, served_model: str) -> bytes:
     }
     if req.include_usage:
         body["stream_options"] = {"include_usage": True}
+    if req.stream and stream_interval > 1:
+        body["stream_interval"] = stream_interval
     return orjson.dumps(body)
 
 

@@ -105,17 +105,29 @@ class UpstreamResponse:
         self.status_code = conn.status
         self.headers = conn.headers
         self._done = False
+        self._body: bytes | None = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """Body data as it arrives; pieces that arrived together come as one (one relay write instead of many:
+        vLLM sends each token as its own HTTP chunk, and a socket write costs tens of microseconds)."""
         while not self._done:
             item = await self._conn.next_item(self._pool.read_timeout)
             if item is _EOF:
                 self._done = True
                 return
+            ready = self._conn.items
+            if ready and isinstance(ready[0], bytes):
+                pieces = [item]
+                while ready and isinstance(ready[0], bytes):
+                    pieces.append(ready.popleft())
+                item = b"".join(pieces)  # type: ignore[arg-type]
             yield item  # type: ignore[misc]
 
     async def read(self) -> bytes:
-        return b"".join([c async for c in self.chunks()])
+        """The whole body (read once; later calls return it again)."""
+        if self._body is None:
+            self._body = b"".join([c async for c in self.chunks()])
+        return self._body
 
     async def aclose(self) -> None:
         """Back to the pool if the response was read to the end; else close (vLLM aborts the request)."""

@@ -59,7 +59,7 @@ class FeedbackServer:
         self.child.stop()
 
 
-def start_feedback(tmp: Path, redis_url: str, **feedback: object) -> FeedbackServer:
+def start_feedback(tmp: Path, redis_url: str, env: dict[str, str] | None = None, **feedback: object) -> FeedbackServer:
     keys_file = write_keys_file(tmp / "keys.yaml", KEYS)
     cfg = {
         "job": JOB,
@@ -73,7 +73,7 @@ def start_feedback(tmp: Path, redis_url: str, **feedback: object) -> FeedbackSer
         "feedback",
         python_module("onlinerl_feedback", "--port", str(port), "--host", "127.0.0.1", "--redis-url", redis_url),
         tmp / "feedback.log",
-        env={"ONLINERL_CONFIG": str(tmp / "config.yaml")},
+        env={"ONLINERL_CONFIG": str(tmp / "config.yaml"), **(env or {})},
     ).start()
     url = f"http://127.0.0.1:{port}"
     try:

@@ -238,6 +238,21 @@ def test_non_stream_is_recorded_and_counted(stack: Stack) -> None:
     assert int(stack.redis.hget(stack.keys.stats(0, "base"), "served")) == served_before + 1
 
 
+def test_record_is_readable_as_soon_as_the_client_has_the_completion(stack: Stack) -> None:
+    """The record write goes out before [DONE] / the body (its fsync'd reply is awaited after): a reader on another
+    connection, like the feedback service, finds it the moment the client has the completion, every time."""
+    with stack.gateway.client() as c:
+        for i in range(12):
+            if i % 2:
+                out = stream(c, continue_body(max_tokens=2))
+                status, rollout_id = out.status, out.headers["x-onlinerl-rollout-id"]
+            else:
+                resp = c.post("/v1/completions", json=continue_body(max_tokens=2, stream=False), headers=AUTH)
+                status, rollout_id = resp.status_code, resp.headers["x-onlinerl-rollout-id"]
+            assert status == 200
+            assert stack.redis.hexists(stack.keys.rollouts("acme", PROMPT), rollout_id), f"request {i}: no record yet"
+
+
 def _series_sum(text: str, name: str, *labels: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])

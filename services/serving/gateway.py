@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections import Counter as Tally
+from collections.abc import Coroutine
 from typing import Any
 
 import orjson
@@ -272,12 +273,12 @@ class Gateway:
                     del self.inflight[model]
         raise AssertionError("unreachable")
 
-    async def _start_record(self, ctx: _Ctx, acc: RolloutAccumulator) -> asyncio.Future:
+    async def _start_record(self, ctx: _Ctx, acc: RolloutAccumulator) -> Coroutine[Any, Any, None]:
         """Send the record's write and return once it is on the wire, before the client's ``[DONE]``.
 
         Redis applies a command as soon as it reads it; with ``appendfsync always`` only the *reply* waits for the
         fsync (milliseconds). So the record is readable by the feedback service before the client can have the
-        completion, while the client no longer waits for the disk. The caller awaits the returned future last."""
+        completion, while the client no longer waits for the disk. The caller awaits the returned coroutine last."""
         loop = asyncio.get_running_loop()
         if not acc.consistent():
             log.error(
@@ -287,9 +288,7 @@ class Gateway:
                 len(acc.offsets),
             )
             self.metrics.record_errors.inc()
-            done = loop.create_future()
-            done.set_result(None)
-            return done
+            return _nothing()
         record = acc.to_record(
             tenant=ctx.tenant,
             arm=ctx.route.arm,
@@ -306,7 +305,7 @@ class Gateway:
         except Exception as exc:
             acknowledged = loop.create_future()
             acknowledged.set_exception(exc)
-        return asyncio.ensure_future(self._recorded(ctx, acknowledged))
+        return self._recorded(ctx, acknowledged)
 
     async def _recorded(self, ctx: _Ctx, acknowledged: asyncio.Future) -> None:
         """A Redis failure costs the record (counted, logged), never the completion."""
@@ -352,7 +351,7 @@ class Gateway:
         watcher = asyncio.create_task(watch_disconnect())
         acc = RolloutAccumulator()
         overhead, first, done, errored = ctx.overhead, True, False, False
-        recording: asyncio.Future | None = None
+        recording: Coroutine[Any, Any, None] | None = None
         try:
             await send(
                 {
@@ -450,6 +449,10 @@ class _Ctx:
     ) -> None:
         self.req, self.tenant, self.uhash, self.route, self.model = req, tenant, uhash, route, model
         self.rollout_id, self.created_at, self.t0, self.overhead = rollout_id, created_at, t0, overhead
+
+
+async def _nothing() -> None:
+    """An already-finished recording (nothing to store)."""
 
 
 def _raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

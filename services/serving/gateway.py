@@ -369,10 +369,9 @@ class Gateway:
                 if done:
                     continue  # after [DONE] only the end of vLLM's body is left: read it so the connection is reused
                 t = time.perf_counter()
-                buf += data
+                *events, buf = (buf + data).split(b"\n\n")  # one pass: coalesced data can hold many events
                 out = []
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
+                for event in events:
                     if not event.startswith(b"data: "):
                         continue
                     payload = event[6:]

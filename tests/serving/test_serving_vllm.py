@@ -459,10 +459,13 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
             10,
             what="gateway routing to pinned v2",
         )
-    started, finished, result = [], [], {}
+    started, result, release = [], {}, threading.Event()
 
     def long_stream() -> None:
-        body = continue_body(max_tokens=2000, temperature=0.0, stop=[])
+        """Reads the first bytes, then stops reading until the test is done looking: 2,000 tokens with top-5
+        log-probs (~0.7 MB of SSE) overflow the socket buffers, so the gateway's relay waits on this client and the
+        request stays in flight on v2 however fast the model is."""
+        body = continue_body(max_tokens=2000, temperature=0.0, stop=[], logprobs=5)
         with (
             httpx.Client(base_url=stack.gateway.url, timeout=120) as c,
             c.stream("POST", "/v1/completions", json=body, headers=AUTH) as r,
@@ -470,10 +473,15 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
             result["version"] = r.headers["x-onlinerl-policy-version"]
             chunks = []
             for chunk in r.iter_raw():
-                started.append(time.monotonic())
+                if not started:
+                    started.append(time.monotonic())
+                    release.wait(60)
                 chunks.append(chunk)
             result["raw"] = b"".join(chunks)
-        finished.append(time.monotonic())
+
+    def in_flight_on_v2() -> int:
+        inflight = httpx.get(f"{stack.gateway.url}/internal/inflight", timeout=10).json()["models"]
+        return inflight.get(adapter_name(JOB, 2), 0)
 
     t = threading.Thread(target=long_stream)
     t.start()
@@ -483,14 +491,14 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
         stack.redis.hset(stack.keys.policy, "pinned", "")  # unpin, and a newer version pushes v2 out of keepVersions
         announce(stack.redis, JOB, 5, v5)
         wait_for(lambda: policy(stack).stable == 5, 30, what="v5 stable")
-        unwanted_at = time.monotonic()
-        inflight = httpx.get(f"{stack.gateway.url}/internal/inflight").json()["models"]
-        wait_for(lambda: time.monotonic() - unwanted_at > 3.0 or bool(finished), 10, what="grace period")
-        assert not finished, "the stream ended before the drain could be observed: make it longer"
-        assert inflight.get(adapter_name(JOB, 2)) == 1
+        assert in_flight_on_v2() == 1
+        grace_end = time.monotonic() + 3.0
+        wait_for(lambda: time.monotonic() > grace_end, 10, what="grace period")
+        assert in_flight_on_v2() == 1, "the gateway finished the stream: it must be waiting on the client here"
         assert adapter_name(JOB, 2) in engine_models(stack)  # past the grace, still loaded: a request is on it
         assert version_state(stack, 2).state == "loaded"
     finally:
+        release.set()
         t.join(120)
     assert result["raw"].endswith(b"data: [DONE]\n\n")
     wait_for(lambda: version_state(stack, 2).state == "retired", 15, what="v2 retired after the drain")

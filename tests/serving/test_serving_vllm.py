@@ -7,7 +7,9 @@ state: base model first, then v1 goes live under load, then v2/v3 retire v1, the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +65,7 @@ class Stack:
     keys: Keys
     ckpt_root: Path
     base_model: Path
+    engine: Child | None = None  # None when reusing an external vLLM
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,7 @@ def stack(
             httpx.post(f"{external}/v1/unload_lora_adapter", json={"lora_name": name})
     else:
         children.append(start_vllm(cfg, tiny_model_path, tmp / "vllm.log", port=engine_port))
+    engine = None if external else children[0]
     r = redis.Redis.from_url(module_valkey.url)
     try:
         gw = start_gateway(cfg_path, tmp / "gateway.log", gw_port)
@@ -117,6 +121,7 @@ def stack(
             Keys(JOB),
             tmp / "ckpt",
             tiny_model_path,
+            engine,
         )
     finally:
         r.close()
@@ -449,22 +454,52 @@ def test_bad_checkpoint_is_marked_failed_after_bounded_attempts(stack: Stack) ->
     assert b"v4" in stack.redis.hget(stack.keys.reloader_status, "last_error")
 
 
-@pytest.mark.skip(
-    reason="timing-dependent: with the faster relay the tiny model's 2,000-token stream can end before the drain is "
-    "observed; a backpressure-held version left vLLM unavailable for later tests on a clean clone. Issue 3 stays open "
-    "until this is deterministic again."
-)
+def engine_core_pid(api_server_pid: int) -> int:
+    """vLLM's EngineCore process (it renames itself ``VLLM::EngineCore``), a descendant of the API server."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    for pid in parents:
+        ancestor = parents.get(pid)
+        while ancestor and ancestor != api_server_pid:
+            ancestor = parents.get(ancestor)
+        if ancestor == api_server_pid and b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError(f"no EngineCore process under vLLM pid {api_server_pid}")
+
+
+@contextlib.contextmanager
+def engine_paused(s: Stack) -> Iterator[None]:
+    """Freeze vLLM's engine (SIGSTOP): a request it is generating stays in flight for as long as the test needs,
+    whatever the machine's speed. The API server keeps answering /v1/models meanwhile."""
+    assert s.engine is not None
+    pid = engine_core_pid(s.engine.pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
-    """v2 stops being wanted while a long stream is on it: it stays loaded until that stream ends, then retires."""
-    v5 = write_lora_checkpoint(JOB, stack.base_model, stack.ckpt_root, 5)  # ready before the clock starts
+    """v2 stops being wanted while a stream is on it: it stays loaded until that stream ends, then retires."""
+    if stack.engine is None:
+        pytest.skip("needs the vLLM this module starts (it pauses its engine)")
+    v5 = write_lora_checkpoint(JOB, stack.base_model, stack.ckpt_root, 5)
     stack.redis.hset(stack.keys.policy, "pinned", "2")  # a pin keeps v2 wanted and routes to it
+    announce(stack.redis, JOB, 5, v5)  # v5 loads and becomes stable while the pin still holds v2
+    wait_for(lambda: policy(stack).stable == 5, 30, what="v5 stable")
+    wait_for(lambda: adapter_name(JOB, 5) in engine_models(stack), 30, what="v5 loaded")
     with stack.gateway.client() as c:
         wait_for(
             lambda: stream(c, continue_body(max_tokens=2)).headers["x-onlinerl-policy-version"] == "2",
             10,
             what="gateway routing to pinned v2",
         )
-    started, finished, result = [], [], {}
+    started, result = [], {}
 
     def long_stream() -> None:
         body = continue_body(max_tokens=2000, temperature=0.0, stop=[])
@@ -478,23 +513,23 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
                 started.append(time.monotonic())
                 chunks.append(chunk)
             result["raw"] = b"".join(chunks)
-        finished.append(time.monotonic())
+
+    def in_flight_on_v2() -> int:
+        inflight = httpx.get(f"{stack.gateway.url}/internal/inflight", timeout=10).json()["models"]
+        return inflight.get(adapter_name(JOB, 2), 0)
 
     t = threading.Thread(target=long_stream)
     t.start()
     try:
         wait_for(lambda: bool(started), 30, what="the long stream to start")
-        assert result["version"] == "2"
-        stack.redis.hset(stack.keys.policy, "pinned", "")  # unpin, and a newer version pushes v2 out of keepVersions
-        announce(stack.redis, JOB, 5, v5)
-        wait_for(lambda: policy(stack).stable == 5, 30, what="v5 stable")
-        unwanted_at = time.monotonic()
-        inflight = httpx.get(f"{stack.gateway.url}/internal/inflight").json()["models"]
-        wait_for(lambda: time.monotonic() - unwanted_at > 3.0 or bool(finished), 10, what="grace period")
-        assert not finished, "the stream ended before the drain could be observed: make it longer"
-        assert inflight.get(adapter_name(JOB, 2)) == 1
-        assert adapter_name(JOB, 2) in engine_models(stack)  # past the grace, still loaded: a request is on it
-        assert version_state(stack, 2).state == "loaded"
+        with engine_paused(stack):
+            assert result["version"] == "2" and in_flight_on_v2() == 1
+            stack.redis.hset(stack.keys.policy, "pinned", "")  # unpin: v2 is now beyond keepVersions, unwanted
+            grace_end = time.monotonic() + 3.0
+            wait_for(lambda: time.monotonic() > grace_end, 10, what="grace period")
+            assert in_flight_on_v2() == 1
+            assert adapter_name(JOB, 2) in engine_models(stack)  # past the grace, still loaded: a request is on it
+            assert version_state(stack, 2).state == "loaded"
     finally:
         t.join(120)
     assert result["raw"].endswith(b"data: [DONE]\n\n")

@@ -179,7 +179,7 @@ class StalenessConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    """Critic-free clipped PPO (see services/trainer/loss.py for the math)."""
+    """Critic-free clipped PPO (see services/trainer/onlinerl_trainer/loss.py for the math)."""
 
     clip_eps: float = Field(0.2, gt=0, lt=1)
     dual_clip: float | None = Field(None, gt=1, description="c in Ye et al. dual clip; None disables it.")

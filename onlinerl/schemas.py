@@ -73,6 +73,10 @@ class TrainingSample(_Record):
     behaviour_logprobs: list[float]
     reward: float
     accepted: bool
+    temperature: float = Field(
+        1.0, gt=0, description="The temperature the completion was sampled at: the behaviour log-probs are under "
+        "softmax(logits / temperature), and the trainer evaluates pi_theta the same way."
+    )
     shown_text: str = ""
     match: Literal["exact", "prefix", "trimmed", "unverified"] = "exact"
     rollout_created_at: float = 0.0

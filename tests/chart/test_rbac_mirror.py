@@ -24,7 +24,7 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
     not OPERATOR_RBAC.is_file(),
     strict=False,
     reason="operator/rbac.yaml (issue 7) does not exist yet; the chart's rules are derived from "
-    "operator/render.py's kinds",
+    "operator/onlinerl_operator/render.py's kinds",
 )
 def test_chart_rbac_equals_operator_rbac() -> None:
     docs = [d for d in yaml.safe_load_all(OPERATOR_RBAC.read_text()) if d]
@@ -37,10 +37,10 @@ def test_chart_rbac_equals_operator_rbac() -> None:
 
 
 def test_chart_rbac_covers_every_kind_the_operator_renders() -> None:
-    """Independent of rbac.yaml: every apiVersion/kind that operator/render.py emits is granted create+patch."""
+    """Independent of rbac.yaml: every apiVersion/kind the operator renders is granted create+patch."""
     import re
 
-    source = (ROOT / "operator" / "render.py").read_text()
+    source = (ROOT / "operator" / "onlinerl_operator" / "render.py").read_text()
     kinds = set(re.findall(r'"kind": "(\w+)"', source)) - {"OnlineRLJob"}
     plural = {
         "ConfigMap": "configmaps",

@@ -74,7 +74,7 @@ def test_operator_deployment_runs_the_operator_module_with_probes() -> None:
     (deploy,) = by_kind(docs, "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"] == ["python", "-m", "onlinerl_operator"]  # operator/__main__.py
+    assert container["command"] == ["python", "-m", "onlinerl_operator"]  # operator/onlinerl_operator/__main__.py
     env = _env(container)
     assert env["ONLINERL_OPERATOR_NAMESPACES"] == "" and env["ONLINERL_LOG_LEVEL"] == "INFO"
     assert env["ONLINERL_OPERATOR_INTERVAL"] == "10"

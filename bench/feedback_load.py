@@ -17,11 +17,11 @@ After each run the stream is read back: every 200 must be one distinct entry (ze
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import random
-import re
 import resource
 import shutil
 import statistics
@@ -116,11 +116,20 @@ COMPLETIONS = [
 ]
 
 
+@functools.cache
+def _smollm2_tokenizer():
+    from tokenizers import Tokenizer
+
+    from onlinerl.model import bootstrap_smollm2
+
+    return Tokenizer.from_file(str(bootstrap_smollm2() / "tokenizer.json"))
+
+
 def simple_tokens(text: str) -> tuple[list[int], list[int]]:
-    """Word/space/punctuation pieces as tokens (ids from a stable hash) with their char offsets, plus EOS."""
-    pieces = [m for m in re.finditer(r"\s+|\w+|[^\w\s]", text)]
-    ids = [1000 + (zlib.crc32(m.group().encode()) % 40000) for m in pieces] + [2]
-    return ids, [m.start() for m in pieces] + [len(text)]
+    """SmolLM2's tokens of the text (the tokenizer the service loads: it cuts by these ids' bytes) with their char
+    offsets, plus EOS (id 2)."""
+    enc = _smollm2_tokenizer().encode(text, add_special_tokens=False)
+    return [*enc.ids, 2], [start for start, _ in enc.offsets] + [len(text)]
 
 
 def make_corpus(rng: random.Random, n: int) -> list[tuple[RolloutRecord, dict]]:

@@ -29,7 +29,6 @@ import httpx
 import orjson
 import yaml
 from baseline import checkout_of  # bench/ is sys.path[0] when run as a script
-from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
 from proc_cpu import cpu_seconds
 
 from onlinerl.auth import write_keys_file
@@ -37,6 +36,7 @@ from onlinerl.config import OnlineRLConfig, from_mapping
 from onlinerl.fim import get_template
 from onlinerl.procs import Child, python_module
 from onlinerl.valkey import EmbeddedValkey, free_port
+from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
 
 KEY = "sk-bench-0123456789"
 STREAM_INTERVAL = OnlineRLConfig().serving.stream_interval  # what the gateway asks vLLM for by default
@@ -178,9 +178,8 @@ def main() -> int:
     try:
         engine_url = args.engine_url
         if not engine_url:
-            from onlinerl_serving.engine import start_vllm
-
             from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
+            from onlinerl_serving.engine import start_vllm
 
             model = (
                 Path(args.model_path)

@@ -101,12 +101,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import redis
-    from onlinerl_trainer.batching import StreamSample, collate
-    from onlinerl_trainer.trainer import Trainer
 
     from onlinerl.config import from_mapping
     from onlinerl.keys import Keys
     from onlinerl.valkey import EmbeddedValkey
+    from onlinerl_trainer.batching import StreamSample, collate
+    from onlinerl_trainer.trainer import Trainer
 
     path = model_path(args.model)
     total = args.warmup + args.steps
@@ -115,7 +115,7 @@ def main() -> None:
         cfg = from_mapping(
             {
                 "job": "bench",
-                "model": {"path": str(path)},
+                "model": {"path": str(path), "maxModelLen": max(256, args.prompt_len + args.completion_len)},
                 "redis": {"url": vk.url},
                 "storage": {"checkpointDir": str(Path(tmp) / "ckpt")},
                 "trainer": {
@@ -123,7 +123,7 @@ def main() -> None:
                     "batchSize": args.batch,
                     "microBatchSize": args.batch,
                     "batchTimeoutSeconds": 5,
-                    "maxSeqLen": args.prompt_len + args.completion_len,
+                    "maxSeqLen": max(256, args.prompt_len + args.completion_len),  # >= model.maxModelLen
                     "algorithm": {"baseline": "batch", "staleness": {"maxVersions": 10**6}},
                     "checkpoint": {"everySteps": args.checkpoint_every, "keep": 3},
                 },

@@ -1,7 +1,10 @@
-"""Bearer API keys -> tenant, shared by serving and feedback.
+"""Bearer API keys -> (tenant, role), shared by serving and feedback.
 
-The keys file (a mounted Secret) is YAML: ``{tenants: {acme: {keys: [sk-...]}}}``. Keys are held only as sha256
-digests and compared with ``hmac.compare_digest`` against every digest, so timing reveals neither key nor position.
+The keys file (a mounted Secret) is YAML: ``{tenants: {acme: {keys: [sk-..., {key: sk-..., role: eval}]}}}``. A plain
+string is a ``user`` key (the old format stays valid). Roles: ``user`` may complete and send feedback; ``eval`` may
+also pin a policy version (``X-OnlineRL-Version``: evaluation, the rollout gate); ``admin`` may do everything. Keys
+are held only as sha256 digests and compared with ``hmac.compare_digest`` against every digest, so timing reveals
+neither key nor position.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 import yaml
 
 ANONYMOUS_TENANT = "anonymous"
+ROLES = ("user", "eval", "admin")
+PIN_ROLES = frozenset({"eval", "admin"})  # may ask for a policy version explicitly
 
 
 class AuthConfigError(ValueError):
@@ -35,11 +40,43 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip()
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Who a request authenticated as. ``key_id`` is a non-reversible id of the key (the key never leaves here)."""
+
+    tenant: str
+    role: str = "user"
+    key_id: str = ""
+
+    @property
+    def may_pin(self) -> bool:
+        return self.role in PIN_ROLES
+
+
+ANONYMOUS = Identity(ANONYMOUS_TENANT, "user", "")
+
+
+def _entry(tenant: str, i: int, item: object) -> tuple[str, str]:
+    """``(key, role)`` of one keys-file entry: a plain string (role user) or ``{key: ..., role: ...}``."""
+    if isinstance(item, str) and item:
+        return item, "user"
+    where = f"tenants.{tenant}.keys[{i}]"
+    if not isinstance(item, dict) or not isinstance(item.get("key"), str) or not item["key"]:
+        raise AuthConfigError(f"{where} must be a key string or {{key: <key>, role: user|eval|admin}}")
+    unknown = set(item) - {"key", "role"}
+    if unknown:
+        raise AuthConfigError(f"{where} has unknown field(s) {sorted(unknown)}; allowed: key, role")
+    role = item.get("role", "user")
+    if role not in ROLES:
+        raise AuthConfigError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
+    return item["key"], role
+
+
 @dataclass
 class KeyRing:
-    """Tenant lookup by API key in constant time per key."""
+    """Identity lookup by API key in constant time per key."""
 
-    entries: list[tuple[bytes, str]] = field(default_factory=list)
+    entries: list[tuple[bytes, Identity]] = field(default_factory=list)
     allow_anonymous: bool = False
 
     @classmethod
@@ -48,11 +85,18 @@ class KeyRing:
         if not isinstance(tenants, dict):
             raise AuthConfigError("keys file must hold `tenants: {<tenant>: {keys: [<key>, ...]}}`")
         entries = []
+        seen: set[bytes] = set()
         for tenant, spec in tenants.items():
             keys = (spec or {}).get("keys") if isinstance(spec, dict) else None
-            if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
-                raise AuthConfigError(f"tenants.{tenant}.keys must be a non-empty list of strings")
-            entries += [(_digest(k), str(tenant)) for k in keys]
+            if not isinstance(keys, list) or not keys:
+                raise AuthConfigError(f"tenants.{tenant}.keys must be a non-empty list")
+            for i, item in enumerate(keys):
+                key, role = _entry(str(tenant), i, item)
+                digest = _digest(key)
+                if digest in seen:
+                    raise AuthConfigError(f"tenants.{tenant}.keys[{i}] is listed twice: every key has one owner")
+                seen.add(digest)
+                entries.append((digest, Identity(str(tenant), role, digest.hex()[:32])))
         return cls(entries, allow_anonymous)
 
     @classmethod
@@ -65,26 +109,46 @@ class KeyRing:
         except yaml.YAMLError as exc:
             raise AuthConfigError(f"auth.apiKeysFile {p} is not valid YAML: {exc}") from exc
 
-    def tenant_for(self, token: str | None) -> str | None:
-        """The tenant owning ``token``; None for unknown or missing keys (anonymous tenant if allowed)."""
+    def identity_for(self, token: str | None) -> Identity | None:
+        """Who owns ``token``; None for unknown or missing keys (the anonymous user identity if allowed)."""
         if token is None:
-            return ANONYMOUS_TENANT if self.allow_anonymous else None
+            return ANONYMOUS if self.allow_anonymous else None
         probe = _digest(token)
         found = None
-        for digest, tenant in self.entries:  # no early exit: constant work whatever the key
+        for digest, identity in self.entries:  # no early exit: constant work whatever the key
             if hmac.compare_digest(digest, probe):
-                found = tenant
+                found = identity
         if found is None and self.allow_anonymous:
-            return ANONYMOUS_TENANT
+            return ANONYMOUS
         return found
+
+    def tenant_for(self, token: str | None) -> str | None:
+        """The tenant owning ``token``; None for unknown or missing keys (anonymous tenant if allowed)."""
+        identity = self.identity_for(token)
+        return identity.tenant if identity else None
 
 
 def new_api_key(prefix: str = "orl") -> str:
     return f"{prefix}-{secrets.token_urlsafe(24)}"
 
 
-def write_keys_file(path: Path, tenants: dict[str, list[str]]) -> Path:
+def write_keys_file(path: Path, tenants: dict[str, list[str | dict[str, str]]]) -> Path:
+    """Entries are key strings (role user) or ``{"key": ..., "role": "eval"}``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({"tenants": {t: {"keys": ks} for t, ks in tenants.items()}}))
     path.chmod(0o600)
     return path
+
+
+def key_with_role(path: str | Path, roles: tuple[str, ...] = ("eval", "admin")) -> tuple[str, str]:
+    """``(key, tenant)`` of the first key in the keys file whose role is in ``roles`` (the rollout gate and
+    `onlinerl eval` pin versions, which a ``user`` key may not)."""
+    tenants = (yaml.safe_load(Path(path).read_text()) or {}).get("tenants") or {}
+    for tenant, spec in tenants.items():
+        for i, item in enumerate((spec or {}).get("keys") or []):
+            key, role = _entry(str(tenant), i, item)
+            if role in roles:
+                return key, str(tenant)
+    raise AuthConfigError(
+        f"{path} has no key with role {' or '.join(roles)}: add one as `{{key: <key>, role: eval}}` under a tenant"
+    )

@@ -74,8 +74,19 @@ class RedisConfig(_Section):
         1800, ge=900, description="Rollout records must outlive Continue's 10 s reject window by far."
     )
     connect_timeout_seconds: float = Field(2.0, gt=0)
+    socket_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Every Redis command's reply deadline (a half-open connection fails instead of hanging); "
+        "blocking reads get their block time on top.",
+    )
     url_secret: str = Field("", description="k8s: Secret whose key `urlSecretKey` holds the URL of an external Redis.")
     url_secret_key: str = "url"
+    password_secret: str = Field(
+        "",
+        description="k8s, in-cluster Redis: Secret whose key `password` holds its password (URL-safe characters). "
+        "Empty: the operator creates `<job>-redis-auth` with a generated one.",
+    )
     storage_size: str = Field("8Gi", description="k8s: volume of the in-cluster Redis (used when no URL is given).")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
@@ -228,7 +239,13 @@ class TrainerConfig(_Section):
     batch_size: int = Field(8, ge=1)
     micro_batch_size: int = Field(8, ge=1)
     batch_timeout_seconds: float = Field(30.0, gt=0)
-    max_seq_len: int = Field(1024, ge=16)
+    max_seq_len: int = Field(
+        2048,
+        ge=16,
+        description="Longest prompt + completion the trainer takes, in tokens; at least model.maxModelLen. A longer "
+        "sample is dropped and counted, never cut (the policy must see the context vLLM saw). Memory grows little: "
+        "only completion positions are projected to the vocabulary.",
+    )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     suspend: bool = False
@@ -250,32 +267,91 @@ class StorageConfig(_Section):
 
 
 class GateConfig(_Section):
+    """The offline eval gate: held-out requests to candidate and stable; the candidate must not be clearly worse.
+
+    With ``evalSamples`` records per version the figures are noisy (64 records, 20 accepts: about 20 % relative
+    error on accepted characters), so the gate's bars are coarse screens for broken or degenerate policies; the
+    canary, on live traffic with sequential tests, is where a candidate earns its promotion.
+    """
+
     enabled: bool = True
     accept_rate_margin: float = Field(0.02, ge=0, le=1)
     accepted_per_100_margin: float = Field(2.0, ge=0)
     max_empty_rate: float = Field(0.9, ge=0, le=1)
     max_repetition_rate: float = Field(0.5, ge=0, le=1)
+    min_suggestion_rate_ratio: float = Field(
+        0.8, ge=0, le=1, description="Guardrail: candidate's shown / requests must be >= this x stable's."
+    )
+    min_accepted_chars_ratio: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="Guardrail: candidate's accepted characters per 100 requests must be >= this x stable's "
+        "(a policy that only gets shorter or quieter must not pass). Lenient: eval figures are noisy.",
+    )
+    min_length_ratio: float = Field(0.25, ge=0, description="Guardrail: mean shown length >= this x stable's.")
+    max_length_ratio: float = Field(4.0, ge=1, description="Guardrail: mean shown length <= this x stable's.")
     eval_samples: int = Field(64, ge=1)
+
+
+class GuardrailConfig(_Section):
+    """Live guardrails of the canary against reward hacking: figures the accept rate alone does not protect.
+
+    A policy can raise its accept rate by suggesting less, or shorter, while helping users less. Each guardrail
+    compares the candidate's figure with stable's over the same canary window. A point figure past its floor at a
+    look blocks promotion. It rolls the candidate back once the breach is credible: its posterior probability passes
+    the same alpha-spent bar as the accept-rate rollback, so a truly equal candidate is not rolled back on noise
+    (mean shown length, which has no posterior, after ``breachLooks`` consecutive looks).
+    """
+
+    min_suggestion_rate_ratio: float = Field(
+        0.8, ge=0, le=1, description="Candidate's shown / served must be >= this x stable's."
+    )
+    min_accepted_chars_ratio: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="Candidate's accepted characters per 100 served requests must be >= this x stable's.",
+    )
+    min_shown_length_ratio: float = Field(
+        0.5, ge=0, le=1, description="Candidate's mean shown length (characters) must be >= this x stable's."
+    )
+    max_empty_rate_increase: float = Field(
+        0.1, ge=0, le=1, description="Candidate's empty / (shown + empty) may exceed stable's by at most this."
+    )
+    breach_looks: int = Field(
+        2, ge=1, description="Consecutive looks with the mean shown length below its floor before it is a rollback."
+    )
 
 
 class RolloutConfig(_Section):
     """Safe rollout: who is stable, who is the candidate, and how traffic is split.
 
-    ``direct``: the reloader makes each loaded version stable at once (local demo). ``canary``: a loaded version must
-    pass the eval gate, then earns traffic through the canary controller (promote / rollback).
+    ``canary`` (default): a loaded version must pass the eval gate, then earns traffic through the canary controller
+    (promote / rollback). ``direct``: the reloader makes each loaded version stable at once, with nothing between a
+    checkpoint and every user.
+
+    The defaults let the local loop (2 CPU cores, a few requests per second) move within minutes while staying
+    honest: every verdict is a Bayesian test at doubling looks with alpha spending, so the chance of ever promoting
+    (or rolling back) a truly equal candidate stays below ``1 - promoteProbability`` whatever ``minSamples`` is.
+    ``minSamples`` only sets the first look (and keeps the guardrails' point figures off tiny counts);
+    ``minDwellSeconds`` makes the canary span a few minutes of traffic; ``canaryShare`` 0.25 gives the candidate
+    enough traffic to reach a look quickly while three quarters of users stay on stable. On a busy cluster raise
+    ``minDwellSeconds`` to span a traffic cycle (hours) and lower ``canaryShare`` to limit exposure.
     """
 
-    strategy: Literal["direct", "canary"] = "direct"
-    canary_share: float = Field(0.1, ge=0, le=1)
+    strategy: Literal["direct", "canary"] = "canary"
+    canary_share: float = Field(0.25, ge=0, le=1)
     pinned_version: int | None = Field(None, ge=0)
     rollback_to: int | None = Field(
         None, ge=0, description="Make this version stable and mark what it replaces rolled back (once per value)."
     )
     paused: bool = False
-    min_samples: int = Field(200, ge=1)
-    min_dwell_seconds: float = Field(300.0, ge=0)
+    min_samples: int = Field(50, ge=1, description="Shown suggestions in the smaller arm before the first look.")
+    min_dwell_seconds: float = Field(120.0, ge=0, description="Seconds a canary runs before any verdict.")
     promote_probability: float = Field(0.95, gt=0.5, lt=1)
     rollback_probability: float = Field(0.95, gt=0.5, lt=1)
+    guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 
 
@@ -306,6 +382,33 @@ class OnlineRLConfig(_Section):
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
 
+    @model_validator(mode="after")
+    def _trainer_takes_what_is_served(self) -> OnlineRLConfig:
+        """vLLM serves prompt + completion up to model.maxModelLen; the trainer never cuts a sample, so a shorter
+        trainer.maxSeqLen would silently drop every long-context rollout."""
+        if self.trainer.max_seq_len < self.model.max_model_len:
+            raise ValueError(
+                f"trainer.maxSeqLen ({self.trainer.max_seq_len}) is less than model.maxModelLen "
+                f"({self.model.max_model_len}): samples longer than trainer.maxSeqLen are dropped, never cut, so "
+                "set trainer.maxSeqLen >= model.maxModelLen (or lower model.maxModelLen)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _strategy_fits_weights_mode(self) -> OnlineRLConfig:
+        """Full-weight serving holds one version per vLLM, so it cannot split traffic between two: a canary there
+        would be silently skipped. An explicit ``canary`` is refused; the default resolves to ``direct`` (stable
+        still follows the policy table, manual rollbacks and pins included)."""
+        if self.serving.weights_mode == "full" and self.rollout.strategy == "canary":
+            if "strategy" in self.rollout.model_fields_set:
+                raise ValueError(
+                    "rollout.strategy: canary needs two versions served at once, but serving.weightsMode: full holds "
+                    "one version per vLLM: set rollout.strategy: direct (stable follows the policy table; "
+                    "`onlinerl policy rollback` and pin still apply) or serving.weightsMode: lora for a canary"
+                )
+            self.rollout.strategy = "direct"
+        return self
+
     def dump(self) -> dict[str, Any]:
         """The camelCase form, as YAML/CRD spec would hold it."""
         return self.model_dump(by_alias=True, mode="json")
@@ -315,6 +418,9 @@ def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if not e["loc"]:  # a cross-field rule: its message names the fields; its input would be the whole config
+            lines.append(e["msg"].removeprefix("Value error, "))
+            continue
         lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
     return "invalid onlinerl configuration:\n  " + "\n  ".join(lines)
 

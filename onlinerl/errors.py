@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from onlinerl.auth import AuthConfigError
 from onlinerl.config import ConfigError
+from onlinerl.data.builder import DataFileError
 from onlinerl.model import ModelError
 
 
@@ -11,4 +12,4 @@ class CommandError(RuntimeError):
     """A command cannot proceed; the message says why and what to do."""
 
 
-UserError = (ConfigError, ModelError, AuthConfigError, CommandError, FileNotFoundError)
+UserError = (ConfigError, ModelError, AuthConfigError, CommandError, FileNotFoundError, DataFileError)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 SAMPLES_GROUP = "trainers"
 CHECKPOINTS_GROUP_PREFIX = "reloader"
+RATED_FIELD_PREFIX = "rated:"
 
 
 def prompt_digest(prompt: str) -> str:
@@ -32,6 +33,14 @@ class Keys:
     def rollouts(self, tenant: str, prompt: str) -> str:
         """Hash ``rollout_id -> RolloutRecord JSON`` of every completion served for one tenant and prompt (TTL)."""
         return f"{self.prefix}rollouts:{tenant}:{prompt_digest(prompt)}"
+
+    @staticmethod
+    def rated_field(rollout_id: str) -> str:
+        """Field ``rated:{rollout_id}`` of the rollout's own ``rollouts:*`` hash: ``"<outcome> <entry id>"`` of the one
+        feedback event that rated it (set by feedback in the same Lua script as the XADD). A field, not a key of its
+        own, so it lives exactly as long as the record: the gateway refreshes the hash's TTL whenever that prompt is
+        served again, so any fixed marker TTL could expire while the record is still joinable."""
+        return f"{RATED_FIELD_PREFIX}{rollout_id}"
 
     # --- feedback -> trainer ------------------------------------------------------------------------------------
     @property

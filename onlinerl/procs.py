@@ -55,6 +55,7 @@ class Child:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
     proc: subprocess.Popen | None = None
+    health_url: str | None = None  # set once healthy: the supervisor says when a restarted child is healthy again
 
     def start(self) -> Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,6 +88,7 @@ class Child:
             if not self.alive():
                 raise StartupError(f"{self.name} exited with {self.proc.returncode}:\n{log_tail(self.log_path)}")
             if http_ok(url):
+                self.health_url = url
                 return self
             time.sleep(0.2)
         raise StartupError(f"{self.name} not healthy at {url} after {timeout:.0f}s:\n{log_tail(self.log_path)}")
@@ -121,3 +123,73 @@ class Child:
 def python_module(module: str, *args: str) -> list[str]:
     """argv running ``python -m module`` with this interpreter (the venv's)."""
     return [sys.executable, "-m", module, *args]
+
+
+@dataclass
+class _Book:
+    failures: int = 0  # consecutive deaths, each within ``stable_after_s`` of its start
+    started_at: float = 0.0
+    restart_at: float | None = None  # scheduled restart (monotonic), None when running
+    awaiting_health: bool = False
+
+
+@dataclass
+class Supervisor:
+    """Keeps children running: a child that dies is restarted after an exponential backoff, with a line saying so.
+
+    A child that stayed up ``stable_after_s`` earns a fresh count; ``max_restarts`` deaths in a row, each soon after
+    its start, mean it cannot run here, and :meth:`poll` returns why so the caller stops everything instead of
+    restarting for ever. ``poll`` never blocks: the caller's loop calls it about once a second.
+    """
+
+    children: list[Child]
+    say: Callable[[str], None]
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_restarts: int = 5
+    stable_after_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    books: dict[str, _Book] = field(default_factory=dict)
+
+    def _book(self, child: Child) -> _Book:
+        if child.name not in self.books:
+            self.books[child.name] = _Book(started_at=self.clock())
+        return self.books[child.name]
+
+    def delay(self, failures: int) -> float:
+        """Backoff before restart number ``failures`` (1-based): backoff_s, 2x, 4x ... capped at max_backoff_s."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
+
+    def poll(self) -> str | None:
+        """Restart what died and is due; returns a message when a child failed too often (the caller stops)."""
+        now = self.clock()
+        for child in self.children:
+            book = self._book(child)
+            if book.restart_at is not None:
+                if now >= book.restart_at:
+                    child.start()
+                    book.restart_at, book.started_at, book.awaiting_health = None, now, child.health_url is not None
+                    self.say(f"{child.name} restarted (pid {child.pid}, restart {book.failures}/{self.max_restarts})")
+                continue
+            if child.alive():
+                if book.awaiting_health and child.health_url and http_ok(child.health_url, timeout=0.5):
+                    book.awaiting_health = False
+                    self.say(f"{child.name} healthy again")
+                if now - book.started_at >= self.stable_after_s:
+                    book.failures = 0
+                continue
+            code = child.proc.returncode if child.proc is not None else None
+            book.failures = book.failures + 1 if now - book.started_at < self.stable_after_s else 1
+            tail = log_tail(child.log_path, 15)
+            if book.failures > self.max_restarts:
+                return (
+                    f"{child.name} exited with {code} {book.failures} times in a row, each within "
+                    f"{self.stable_after_s:.0f}s of its start: giving up; last log lines:\n{tail}"
+                )
+            wait = self.delay(book.failures)
+            book.restart_at = now + wait
+            self.say(
+                f"{child.name} exited unexpectedly with {code}; restarting in {wait:.0f}s "
+                f"(restart {book.failures}/{self.max_restarts}); last log lines:\n{tail}"
+            )
+        return None

@@ -10,7 +10,9 @@ import time
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from onlinerl.arms import STABLE, Arm
 
 SCHEMA_VERSION = 1
 
@@ -26,6 +28,9 @@ class _Record(BaseModel):
         return cls.model_validate(orjson.loads(raw))
 
 
+GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS); the gateway sends 0 instead
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -34,6 +39,12 @@ class SamplingParams(BaseModel):
     max_tokens: int | None = None
     stop: list[str] = Field(default_factory=list)
 
+    @property
+    def greedy(self) -> bool:
+        """Sampled by argmax: mu is a point mass that no softmax(logits / T) matches (vLLM still reports T = 1
+        log-probs), so such a rollout is rated and counted but never trained."""
+        return self.temperature is not None and self.temperature < GREEDY_BELOW
+
 
 class RolloutRecord(_Record):
     """One completion the gateway served, as generated (before any client trimming)."""
@@ -41,7 +52,7 @@ class RolloutRecord(_Record):
     schema_version: int = SCHEMA_VERSION
     rollout_id: str
     tenant: str
-    arm: Literal["stable", "candidate", "pinned", "base", "eval"] = "stable"
+    arm: Arm = STABLE
     policy_version: int
     served_model: str
     user_hash: str = ""
@@ -51,12 +62,20 @@ class RolloutRecord(_Record):
     completion_token_ids: list[int]
     behaviour_logprobs: list[float]
     token_offsets: list[int] = Field(
-        default_factory=list, description="Char offset in `completion` where each token starts."
+        default_factory=list,
+        description="vLLM's text_offset, kept for compatibility and read by nothing: it drifts on tokens holding part "
+        "of a multi-byte character. The feedback join cuts by token bytes (onlinerl/tokens.py).",
     )
     finish_reason: str | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     created_at: float = Field(default_factory=time.time)
     finished_at: float | None = None
+
+    @field_validator("arm", mode="before")
+    @classmethod
+    def _legacy_base_arm(cls, v: Any) -> Any:
+        """Records written before the arms were unified called version 0's stable traffic ``base``."""
+        return STABLE if v == "base" else v
 
 
 class TrainingSample(_Record):
@@ -74,8 +93,10 @@ class TrainingSample(_Record):
     reward: float
     accepted: bool
     temperature: float = Field(
-        1.0, gt=0, description="The temperature the completion was sampled at: the behaviour log-probs are under "
-        "softmax(logits / temperature), and the trainer evaluates pi_theta the same way."
+        1.0,
+        gt=0,
+        description="The temperature the completion was sampled at: the behaviour log-probs are under "
+        "softmax(logits / temperature), and the trainer evaluates pi_theta the same way.",
     )
     shown_text: str = ""
     match: Literal["exact", "prefix", "trimmed", "unverified"] = "exact"
@@ -94,6 +115,9 @@ class AuditEntry(_Record):
     completion: str = ""
     prompt_digest: str = ""
     received_at: float = Field(default_factory=time.time)
+    rollout_id: str = Field("", description="The served rollout the event joined, when it joined one.")
+    first_outcome: str = Field("", description="duplicate only: outcome of the delivery that counted.")
+    first_entry_id: str = Field("", description="duplicate only: stream id of the delivery that counted.")
 
 
 class CompletionOutcome(BaseModel):
@@ -143,6 +167,11 @@ class PolicyTable(BaseModel):
     canary_share: float = 0.0
     pinned: int | None = None
     paused: bool = False
+    hold: int | None = Field(
+        None,
+        description="stable a human fixed (rollback, pin): under strategy direct the reloader never raises stable "
+        "while set; the next manual decision (resume) clears it",
+    )
     updated_at: float = 0.0
 
     def to_redis(self) -> dict[str, str]:
@@ -152,6 +181,7 @@ class PolicyTable(BaseModel):
             "canary_share": repr(self.canary_share),
             "pinned": "" if self.pinned is None else str(self.pinned),
             "paused": "1" if self.paused else "0",
+            "hold": "" if self.hold is None else str(self.hold),
             "updated_at": repr(self.updated_at or time.time()),
         }
 
@@ -171,6 +201,7 @@ class PolicyTable(BaseModel):
             canary_share=float(d.get("canary_share") or 0.0),
             pinned=opt_int("pinned"),
             paused=d.get("paused") == "1",
+            hold=opt_int("hold"),
             updated_at=float(d.get("updated_at") or 0.0),
         )
 

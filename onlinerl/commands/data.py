@@ -18,7 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--corpus", type=Path, default=None, help="directory of .py files (default: the standard library)")
     b.add_argument("--out", type=Path, default=DEFAULT_OUT)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--test-fraction", type=float, default=0.15)
+    b.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.15,
+        help="share of source files in test.jsonl; 1 puts every file there (a corpus kept for evaluation only)",
+    )
     b.add_argument("--per-file", type=int, default=12, help="max samples per source file")
     b.add_argument("--max-files", type=int, default=None)
     b.set_defaults(func=_build)
@@ -37,7 +42,7 @@ def _build(args: argparse.Namespace) -> int:
     from onlinerl.data.builder import BuildOptions, build, write_jsonl
     from onlinerl.data.stats import format_stats, summarize
 
-    require(0 < args.test_fraction < 1, "--test-fraction must be between 0 and 1")
+    require(0 < args.test_fraction <= 1, f"--test-fraction must be in (0, 1], got {args.test_fraction}")
     opts = BuildOptions(
         corpus=args.corpus,
         seed=args.seed,

@@ -24,16 +24,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--judge-url", default=None, help="OpenAI-compatible base URL of an LLM judge (optional)")
     p.add_argument("--judge-model", default=None)
     p.add_argument("--judge-key", default="")
+    p.add_argument(
+        "--from-results",
+        type=Path,
+        default=None,
+        help="recompute the report from the v<N>.jsonl files an earlier `onlinerl eval` wrote (no stack needed; "
+        "the lowest version is the base)",
+    )
     p.set_defaults(func=_eval)
 
 
 def latest_loaded_version(cfg) -> int:
-    import redis
-
     from onlinerl.keys import Keys
+    from onlinerl.redisconn import connect as redis_connect
     from onlinerl.schemas import PolicyVersionState
 
-    r = redis.Redis.from_url(cfg.redis.url)
+    r = redis_connect(cfg.redis)
     try:
         states = [PolicyVersionState.from_json(v) for v in r.hvals(Keys(cfg.job).versions)]
     finally:
@@ -48,15 +54,14 @@ def held_versions(cfg, versions: list[int], timeout_s: float = 180.0) -> Iterato
 
     Without it a trainer that keeps publishing gets the evaluated version retired mid-run (409 per request).
     """
-    import redis
-
     from onlinerl.holds import hold, release
     from onlinerl.keys import Keys
     from onlinerl.procs import wait_for
+    from onlinerl.redisconn import connect as redis_connect
     from onlinerl.schemas import PolicyVersionState
 
     keys = Keys(cfg.job)
-    r = redis.Redis.from_url(cfg.redis.url)
+    r = redis_connect(cfg.redis)
     held = hold(r, keys.holds, versions)
     try:
 
@@ -74,7 +79,8 @@ def held_versions(cfg, versions: list[int], timeout_s: float = 180.0) -> Iterato
 
 
 def _eval(args: argparse.Namespace) -> int:
-
+    if args.from_results is not None:
+        return _report_from_results(args.from_results, args.out)
     cfg, samples, factory = make_client_factory(args, "test")
     versions = [latest_loaded_version(cfg) if v.strip() == "latest" else int(v) for v in args.versions.split(",")]
     out = args.out or args.state / "eval"
@@ -84,10 +90,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args, cfg, samples, factory, versions: list[int], out: Path) -> int:
-    from onlinerl.loop.eval_metrics import comparison_table, summarize
     from onlinerl.loop.evaluate import run_version
 
-    summaries, judged = {}, {}
+    runs, judged = {}, {}
     for v in dict.fromkeys(versions):
         done = {"n": 0}
 
@@ -100,24 +105,13 @@ def _run_eval(args, cfg, samples, factory, versions: list[int], out: Path) -> in
 
         run = asyncio.run(run_version(samples, factory, v, args.concurrency, tick, args.max_prefix_chars))
         print(file=sys.stderr)
-        summaries[f"v{v}"] = summarize(run.records)
+        runs[f"v{v}"] = run.records
         with open(out / f"v{v}.jsonl", "w") as f:
             for r in run.records:
                 f.write(json.dumps(r.__dict__) + "\n")
         if args.judge_url:
             judged[f"v{v}"] = asyncio.run(_judge_all(args, samples, run.records))
-    table = comparison_table(summaries)
-    if judged:
-        table += (
-            "\n| judge score (0-10) | "
-            + " | ".join(f"{judged[k]:.3f}" if judged.get(k) is not None else "n/a" for k in summaries)
-            + " |"
-        )
-    (out / "comparison.md").write_text(table + "\n")
-    (out / "summary.json").write_text(
-        json.dumps({k: s.as_dict() for k, s in summaries.items()} | {"judge": judged}, indent=2)
-    )
-    print(table)
+    write_report(runs, out, judged)
     timeline = args.timeline or args.state / "timeline.jsonl"
     if timeline.is_file():
         from onlinerl.loop.plots import plot_accept_rate
@@ -125,6 +119,66 @@ def _run_eval(args, cfg, samples, factory, versions: list[int], out: Path) -> in
         png = plot_accept_rate(timeline, out / "accept_rate.png", title="simulated accept rate during online training")
         print(f"plot: {png}")
     print(f"results: {out}")
+    return 0
+
+
+def write_report(runs: dict, out: Path, judged: dict | None = None) -> str:
+    """Per-version figures and, for each version after the first, its paired comparison with the first.
+
+    Writes ``comparison.md`` and ``summary.json`` under ``out``; returns the markdown (also printed).
+    """
+    from onlinerl.loop.eval_metrics import compare, comparison_table, outcome, paired_table, summarize
+
+    judged = judged or {}
+    summaries = {name: summarize(records) for name, records in runs.items()}
+    table = comparison_table(summaries)
+    if judged:
+        table += (
+            "\n| judge score (0-10) | "
+            + " | ".join(f"{judged[k]:.3f}" if judged.get(k) is not None else "n/a" for k in summaries)
+            + " |"
+        )
+    names = list(runs)
+    outcomes = {name: [outcome(r) for r in records] for name, records in runs.items()}
+    comparisons = [compare(names[0], outcomes[names[0]], name, outcomes[name]) for name in names[1:]]
+    text = "\n\n".join([table, *(paired_table(c) for c in comparisons)])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comparison.md").write_text(text + "\n")
+    summary = {k: s.as_dict() for k, s in summaries.items()} | {"judge": judged}
+    summary["comparisons"] = [c.as_dict() for c in comparisons]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(text)
+    if comparisons:
+        from onlinerl.loop.plots import plot_comparison
+
+        for c in comparisons:
+            print(f"plot: {plot_comparison(c, out / f'change_{c.candidate}_vs_{c.base}.png')}")
+    return text
+
+
+def _report_from_results(results: Path, out: Path | None) -> int:
+    """Recompute the report from a finished evaluation's ``v<N>.jsonl`` files: no stack, no model.
+
+    The lowest version is the base every other one is compared with.
+    """
+    from onlinerl.errors import CommandError
+    from onlinerl.loop.eval_metrics import record_from_dict
+
+    files = sorted((p for p in results.glob("v*.jsonl") if p.stem[1:].isdigit()), key=lambda p: int(p.stem[1:]))
+    if not files:
+        raise CommandError(f"--from-results: no v<N>.jsonl files in {results} (the directory `onlinerl eval` wrote)")
+    runs = {}
+    for path in files:
+        records = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(record_from_dict(json.loads(line)))
+            except ValueError as exc:
+                raise CommandError(f"--from-results: {path}:{n} is not an eval record ({exc})") from None
+        runs[path.stem] = records
+    write_report(runs, out or results)
     return 0
 
 

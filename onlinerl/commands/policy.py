@@ -14,19 +14,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     psub.add_parser("show", help="policy table, versions, verdicts and the latest decisions (JSON)").set_defaults(
         func=_show
     )
-    pin = psub.add_parser("pin", help="serve every user version N (0 = base model)")
+    pin = psub.add_parser(
+        "pin", help="serve every user version N (0 = base model); holds stable where it is until resume"
+    )
     pin.add_argument("version", type=int)
     pin.add_argument("--force", action="store_true", help="pin even if serving has not loaded N")
     pin.set_defaults(func=_pin)
     psub.add_parser("unpin", help="back to stable/candidate routing").set_defaults(func=_unpin)
-    rb = psub.add_parser("rollback", help="end the canary, or make N (default: the previous stable) stable")
+    rb = psub.add_parser(
+        "rollback",
+        help="end the canary, or make N (default: the previous stable) stable; it sticks (no automatic raise under "
+        "strategy direct, across reloads and restarts) until resume",
+    )
     rb.add_argument("version", type=int, nargs="?", default=None)
     rb.add_argument("--force", action="store_true", help="roll back even if serving has not loaded N")
     rb.set_defaults(func=_rollback)
     psub.add_parser("pause", help="stop promotions and new candidates (rollbacks still happen)").set_defaults(
         func=_pause
     )
-    psub.add_parser("resume", help="allow promotions again").set_defaults(func=_resume)
+    psub.add_parser(
+        "resume", help="allow promotions again, and release the hold of the last rollback/pin"
+    ).set_defaults(func=_resume)
 
 
 def _store(args: argparse.Namespace):

@@ -16,7 +16,13 @@ def add_client_args(p: argparse.ArgumentParser, split: str = "train") -> None:
     p.add_argument("--template", default=None, help="FIM template (default: the model's, auto-detected)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--data", type=Path, default=None, help=f"JSONL split (default: <state>/data/{split}.jsonl)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help=f"JSONL split, or a directory from `onlinerl data build --out` (uses its {split}.jsonl; "
+        f"default: <state>/data/{split}.jsonl)",
+    )
     p.add_argument("--limit", type=int, default=None, help="use N samples of the split (a fixed random subset)")
     p.add_argument(
         "--max-prefix-chars",
@@ -45,17 +51,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def make_client_factory(args: argparse.Namespace, split: str):
-    from onlinerl.data.builder import read_jsonl
+    from onlinerl.data.builder import read_jsonl, resolve_split
     from onlinerl.loop.continue_client import ContinueClient
     from onlinerl.loop.local import local_api_key, local_config, template_for
 
     cfg = local_config(args.state, args.config)
-    key, project = local_api_key(args.state, args.api_key)
+    key, project = local_api_key(args.state, args.api_key, "eval" if split == "test" else "user")  # eval pins
     project = getattr(args, "project", None) or project
     template = template_for(cfg, args.template)
     api_base = args.api_base or f"http://127.0.0.1:{cfg.serving.port}/v1"
     tracking = getattr(args, "tracking_url", None) or f"http://127.0.0.1:{cfg.feedback.port}/api/training/submit"
-    data = args.data or args.state / "data" / f"{split}.jsonl"
+    data = resolve_split(args.data or args.state / "data", split)
     if not data.is_file():
         from onlinerl.errors import CommandError
 

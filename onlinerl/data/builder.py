@@ -188,6 +188,52 @@ def write_jsonl(samples: list[FimSample], path: Path) -> None:
             f.write(json.dumps(asdict(s), ensure_ascii=False) + "\n")
 
 
+class DataFileError(ValueError):
+    """A split file that is not what ``onlinerl data build`` writes; the message names the file and line."""
+
+
+_FIELD_TYPES = {
+    "id": str,
+    "kind": str,
+    "file": str,
+    "start_line": int,
+    "end_line": int,
+    "prefix": str,
+    "middle": str,
+    "suffix": str,
+}
+
+
+def _sample(obj: object, where: str) -> FimSample:
+    if not isinstance(obj, dict):
+        raise DataFileError(f"{where}: expected a JSON object (one FIM sample per line), got {type(obj).__name__}")
+    missing, unknown = set(_FIELD_TYPES) - set(obj), set(obj) - set(_FIELD_TYPES)
+    if missing or unknown:
+        raise DataFileError(
+            f"{where}: not a FIM sample (missing {sorted(missing)}, unknown {sorted(unknown)}); "
+            "build splits with `onlinerl data build --corpus DIR --out DIR`"
+        )
+    for name, kind in _FIELD_TYPES.items():
+        if not isinstance(obj[name], kind) or isinstance(obj[name], bool):
+            raise DataFileError(f"{where}: field {name!r} must be {kind.__name__}, got {type(obj[name]).__name__}")
+    return FimSample(**obj)
+
+
 def read_jsonl(path: Path) -> list[FimSample]:
+    """Samples of a split file, validated line by line (a wrong ``--data`` file fails with its file and line)."""
+    out: list[FimSample] = []
     with open(path, encoding="utf-8") as f:
-        return [FimSample(**json.loads(line)) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise DataFileError(f"{path}:{n}: not JSON ({exc})") from None
+            out.append(_sample(obj, f"{path}:{n}"))
+    return out
+
+
+def resolve_split(path: Path, split: str) -> Path:
+    """The split file for ``--data``: the path itself, or ``<dir>/<split>.jsonl`` for a ``data build --out`` dir."""
+    return path / f"{split}.jsonl" if path.is_dir() else path

@@ -2,7 +2,7 @@
 
 Plugged into the rollout controller with ``--evaluator onlinerl.loop.gate_eval:evaluate``. It reads the job config
 (``$ONLINERL_CONFIG``), the held-out split (``$ONLINERL_EVAL_DATA``), the gateway (``$ONLINERL_GATEWAY_URL``,
-default the local one) and uses the first key of the keys file.
+default the local one) and uses the first eval (or admin) key of the keys file.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import asyncio
 import os
 from pathlib import Path
 
-import yaml
-
+from onlinerl.auth import key_with_role
 from onlinerl.config import load_config
 from onlinerl.data.builder import read_jsonl
 from onlinerl.loop.continue_client import ContinueClient
@@ -25,17 +24,10 @@ from onlinerl.rollout.gate import GateInput
 DEFAULT_EVAL_DATA = ".onlinerl/data/test.jsonl"
 
 
-def _first_key(keys_file: str) -> tuple[str, str]:
-    tenants = (yaml.safe_load(Path(keys_file).read_text()) or {}).get("tenants") or {}
-    for tenant, spec in tenants.items():
-        return spec["keys"][0], tenant
-    raise ValueError(f"no keys in {keys_file}")
-
-
 def evaluate(req: EvalRequest) -> GateInput:
     cfg = load_config()
     samples = read_jsonl(Path(os.environ.get("ONLINERL_EVAL_DATA", DEFAULT_EVAL_DATA)))[: req.samples]
-    key, tenant = _first_key(cfg.auth.api_keys_file)
+    key, tenant = key_with_role(cfg.auth.api_keys_file)  # pinning needs an eval (or admin) key
     template = template_for(cfg, None)
     gateway = os.environ.get("ONLINERL_GATEWAY_URL") or f"http://127.0.0.1:{cfg.serving.port}"
     api_base = f"{gateway.rstrip('/')}/v1"

@@ -7,6 +7,7 @@ from pathlib import Path
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.errors import CommandError
 from onlinerl.loop.stack import DEMO_TENANT, StackPaths, ensure_demo_key
+from onlinerl.loop.template import template_for
 
 DEFAULT_STATE = Path(".onlinerl")
 
@@ -24,29 +25,15 @@ def local_config(state: Path, config_path: str | None = None) -> OnlineRLConfig:
     return load_config(paths.config)
 
 
-def local_api_key(state: Path, given: str | None) -> tuple[str, str]:
-    """``(api_key, project)``: the given key (project from --project) or the local demo key."""
+def local_api_key(state: Path, given: str | None, role: str = "user") -> tuple[str, str]:
+    """``(api_key, project)``: the given key (project from --project) or the local demo key of ``role``
+    (``eval`` for commands that pin a policy version)."""
     if given:
         return given, DEMO_TENANT
     paths = StackPaths(state)
     if not paths.keys.is_file():
         raise CommandError(f"{paths.keys} missing: pass --api-key, or start the stack with `make run`")
-    return ensure_demo_key(paths), DEMO_TENANT
+    return ensure_demo_key(paths, role), DEMO_TENANT
 
 
-def template_for(cfg: OnlineRLConfig, name: str | None):
-    """The FIM template simulate/eval render with: --template, else the model's (auto-detected from its tokenizer)."""
-    from onlinerl.fim import get_template, resolve_template
-
-    if name:
-        return get_template(name)
-    if cfg.model.fim_template != "auto":
-        return get_template(cfg.model.fim_template)
-    vocab: list[str] = []
-    if cfg.model.path and Path(cfg.model.path, "tokenizer.json").is_file():
-        import json
-
-        vocab = list(json.loads(Path(cfg.model.path, "tokenizer.json").read_text())["model"]["vocab"])
-        added = json.loads(Path(cfg.model.path, "tokenizer.json").read_text()).get("added_tokens", [])
-        vocab += [t["content"] for t in added]
-    return resolve_template("auto", vocab)
+__all__ = ["DEFAULT_STATE", "local_api_key", "local_config", "template_for"]

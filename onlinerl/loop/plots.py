@@ -74,3 +74,38 @@ def plot_accept_rate(timeline: Path, out_png: Path, window: int = 100, title: st
     fig.savefig(out_png)
     plt.close(fig)
     return out_png
+
+
+def plot_comparison(comparison, out_png: Path) -> Path:
+    """Each figure's change from the base version, in percent of the base, with its paired confidence interval.
+
+    One picture answers "better or only shorter": accept rate and accepted characters side by side, each with the
+    uncertainty the paired test gives it. ``comparison`` is an :class:`onlinerl.loop.eval_metrics.Comparison`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from onlinerl.loop.eval_metrics import FIGURES
+
+    rows = [f for f in comparison.figures if f.base]  # a change relative to 0 has no percent
+    labels = [FIGURES[f.name][0] for f in rows]
+    change = [100.0 * f.diff / f.base for f in rows]
+    low = [100.0 * (f.diff - f.ci_low) / abs(f.base) for f in rows]
+    high = [100.0 * (f.ci_high - f.diff) / abs(f.base) for f in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5), dpi=110)
+    ys = list(range(len(rows)))[::-1]
+    colors = ["#2ca02c" if c >= 0 else "#d62728" for c in change]
+    ax.barh(ys, change, color=colors, alpha=0.6, xerr=[low, high], capsize=3)
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.axvline(0, color="black", lw=0.8)
+    pct = f"{100 * comparison.confidence:g}%"
+    ax.set_xlabel(f"change vs {comparison.base} (% of {comparison.base}), {pct} paired bootstrap interval")
+    ax.set_title(f"{comparison.candidate} vs {comparison.base} on {comparison.pairs} paired samples", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png

@@ -2,9 +2,10 @@
 
 Order: valkey (persistent) -> model bootstrap -> data set -> API key -> vLLM -> gateway, reloader, feedback, trainer
 (-> rollout controller when ``rollout.strategy: canary``). Each step waits on a health check with a deadline and
-fails with the child's log tail. Logs go to ``<state>/logs/``. Ctrl-C stops everything in reverse order. State
-(Redis data, checkpoints, keys) lives in ``<state>/``, so starting again resumes the last policy version and the
-unconsumed samples.
+fails with the child's log tail. Logs go to ``<state>/logs/``. Once up, a child that dies is restarted with backoff
+(:class:`onlinerl.procs.Supervisor`); only repeated quick deaths stop the stack. Ctrl-C stops everything in reverse
+order. State (Redis data, checkpoints, keys, the Redis password) lives in ``<state>/``, so starting again resumes the
+last policy version and the unconsumed samples.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import yaml
 
 from onlinerl.auth import new_api_key, write_keys_file
 from onlinerl.config import OnlineRLConfig
-from onlinerl.procs import Child, StartupError, log_tail, python_module
-from onlinerl.valkey import EmbeddedValkey
+from onlinerl.procs import Child, StartupError, Supervisor, python_module
+from onlinerl.redisconn import redacted
+from onlinerl.valkey import EmbeddedValkey, ensure_password_file
 
 DEMO_TENANT = "demo"
 
@@ -60,21 +62,36 @@ class StackPaths:
     def valkey(self) -> Path:
         return self.state / "valkey"
 
+    @property
+    def redis_password(self) -> Path:
+        return self.state / "redis-password"
+
 
 def say(msg: str) -> None:
     print(f"[up] {msg}", file=sys.stderr, flush=True)
 
 
-def ensure_demo_key(paths: StackPaths) -> str:
-    """The demo tenant's API key: created once, reused on every start."""
+def ensure_demo_key(paths: StackPaths, role: str = "user") -> str:
+    """The demo tenant's API key of ``role``: a ``user`` key for Continue and `onlinerl simulate`, an ``eval`` key
+    for `onlinerl eval` and the rollout gate (they pin versions, which a user key may not). Created once, reused on
+    every start; a keys file from before roles (one plain key) gains its eval key."""
+    entries: list = []
     if paths.keys.is_file():
         data = yaml.safe_load(paths.keys.read_text()) or {}
-        keys = ((data.get("tenants") or {}).get(DEMO_TENANT) or {}).get("keys") or []
-        if keys:
-            return keys[0]
-    key = new_api_key()
-    write_keys_file(paths.keys, {DEMO_TENANT: [key]})
-    return key
+        entries = list(((data.get("tenants") or {}).get(DEMO_TENANT) or {}).get("keys") or [])
+    by_role: dict[str, str] = {}
+    for item in entries:
+        key, item_role = (item, "user") if isinstance(item, str) else (item.get("key"), item.get("role", "user"))
+        by_role.setdefault(item_role, key)
+    if "user" not in by_role or "eval" not in by_role:
+        if "user" not in by_role:
+            by_role["user"] = new_api_key()
+            entries.insert(0, by_role["user"])
+        if "eval" not in by_role:
+            by_role["eval"] = new_api_key("orl-eval")
+            entries.append({"key": by_role["eval"], "role": "eval"})
+        write_keys_file(paths.keys, {DEMO_TENANT: entries})
+    return by_role[role]
 
 
 def effective_config(cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, model_path: Path) -> OnlineRLConfig:
@@ -108,7 +125,7 @@ def continue_template_lines(template) -> str:
 
 def continue_snippet(cfg: OnlineRLConfig, api_key: str, host: str = "127.0.0.1") -> str:
     """Ready-to-paste ~/.continue/config.yaml: the autocomplete model plus completion tracking."""
-    from onlinerl.loop.local import template_for
+    from onlinerl.loop.template import template_for
 
     return f"""models:
   - name: onlinerl-autocomplete
@@ -180,9 +197,8 @@ def start_stack(
     on_step: Callable[[str], None] = say,
 ) -> Stack:
     """Start every component and return the running :class:`Stack` (the caller stops it)."""
-    from onlinerl_serving.engine import start_vllm
-
     from onlinerl.model import resolve_model_path
+    from onlinerl_serving.engine import start_vllm
 
     paths = StackPaths(state)
     paths.logs.mkdir(parents=True, exist_ok=True)
@@ -190,8 +206,9 @@ def start_stack(
     try:
         redis_url = cfg.redis.url
         if not redis_url:
-            on_step(f"starting embedded valkey (data: {paths.valkey}, AOF fsync always)")
-            stack.valkey = EmbeddedValkey(paths.valkey, port=ports.redis).start()
+            on_step(f"starting embedded valkey (data: {paths.valkey}, AOF fsync always, password required)")
+            password = ensure_password_file(paths.redis_password)
+            stack.valkey = EmbeddedValkey(paths.valkey, port=ports.redis, password=password).start()
             redis_url = stack.valkey.url
         on_step("model: bootstrapping / verifying")
         model_path = resolve_model_path(cfg.model.path, progress=lambda m: on_step(f"model: {m}"))
@@ -205,6 +222,7 @@ def start_stack(
         stack.api_key = ensure_demo_key(paths)
         stack.cfg = effective_config(cfg, paths, redis_url, model_path)
         paths.config.write_text(yaml.safe_dump(stack.cfg.dump(), sort_keys=False))
+        paths.config.chmod(0o600)  # the Redis URL in it carries the password
         on_step("starting vLLM (about a minute on CPU)")
         engine_port = int(stack.cfg.serving.engine_url.rsplit(":", 1)[1].split("/")[0])
         stack.children.append(
@@ -248,7 +266,7 @@ onlinerl is up.
   feedback      http://127.0.0.1:{c.feedback.port}/api/training/submit
   metrics       gateway :{c.serving.port}/metrics  feedback :{c.feedback.port}/metrics
                 trainer :{c.trainer.metrics_port}/metrics
-  redis         {c.redis.url}
+  redis         {redacted(c.redis.url)}
   logs          {stack.paths.logs}
   demo API key  {stack.api_key}   (project: {DEMO_TENANT})
 
@@ -260,9 +278,11 @@ Stop:       Ctrl-C
 """
 
 
-def run_forever(stack: Stack, poll_s: float = 1.0) -> int:
-    """Block until Ctrl-C/SIGTERM or a child dies (then report its log tail); always stop everything."""
+def run_forever(stack: Stack, poll_s: float = 1.0, supervisor: Supervisor | None = None) -> int:
+    """Block until Ctrl-C/SIGTERM; a child that dies is restarted with backoff (and a line saying so). Only a child
+    that keeps dying soon after each start stops everything (exit 1, with its log tail). Always stops everything."""
     stopping = {"flag": False}
+    supervisor = supervisor or Supervisor(stack.children, say)
 
     def _term(*_: object) -> None:
         stopping["flag"] = True
@@ -271,9 +291,9 @@ def run_forever(stack: Stack, poll_s: float = 1.0) -> int:
     signal.signal(signal.SIGINT, _term)  # also when started in the background, where SIGINT is inherited as ignored
     try:
         while not stopping["flag"]:
-            dead = stack.dead_child()
-            if dead is not None:
-                say(f"{dead.name} exited unexpectedly; last log lines:\n{log_tail(dead.log_path)}")
+            fatal = supervisor.poll()
+            if fatal is not None:
+                say(fatal)
                 return 1
             time.sleep(poll_s)
     except KeyboardInterrupt:

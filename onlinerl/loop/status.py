@@ -6,7 +6,10 @@ import time
 
 import redis
 
+from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.keys import Keys
+from onlinerl.rollout.decision import ArmStats
+from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 
@@ -21,6 +24,7 @@ def collect(r: redis.Redis, job: str) -> dict:
     keys = Keys(job)
     policy = PolicyTable.from_redis(r.hgetall(keys.policy))
     versions = sorted((PolicyVersionState.from_json(v) for v in r.hvals(keys.versions)), key=lambda s: s.version)
+    store = RolloutStore(r, keys)
     stats = {}
     for key in r.scan_iter(match=f"{keys.prefix}stats:v*", count=500):
         k = key.decode()
@@ -33,8 +37,86 @@ def collect(r: redis.Redis, job: str) -> dict:
         "backlog": r.xlen(keys.samples),
         "trainer": _decode(r.hgetall(keys.trainer_status)),
         "reloader": _decode(r.hgetall(keys.reloader_status)),
-        "decisions": RolloutStore(r, keys).decisions(5),
+        "decisions": store.decisions(5),
+        "canary": _canary(store, policy),
+        "gate": _last(store, ("gate_pass", "gate_fail")),
+        "verdict": _last(store, ("promote", "rollback", "gate_fail")),
     }
+
+
+def _canary(store: RolloutStore, policy: PolicyTable) -> dict | None:
+    """The running canary's live figures: candidate arm vs stable arm since the canary started (what it decides on)."""
+    if policy.candidate is None:
+        return None
+    state = store.state(policy.candidate)
+    baseline = ArmStats.from_mapping(state.baseline if state else None)
+    return {
+        "version": policy.candidate,
+        "stable_version": policy.stable,
+        "state": state,
+        "candidate": store.arm_stats(policy.candidate, CANDIDATE).summary(),
+        "stable": store.arm_stats(policy.stable, STABLE).minus(baseline).summary(),
+    }
+
+
+def _last(store: RolloutStore, kinds: tuple[str, ...]) -> DecisionRecord | None:
+    return next((d for _, d in reversed(store.decisions(200)) if d.decision in kinds), None)
+
+
+_FIGURES = (  # (label, key, format) of the canary and gate figures, guardrails included
+    ("accept rate", "accept_rate", "{:.3f}"),
+    ("accepted/100 req", "accepted_per_100", "{:.1f}"),
+    ("suggestion rate", "suggestion_rate", "{:.3f}"),
+    ("accepted chars/100 req", "accepted_chars_per_100", "{:.0f}"),
+    ("mean shown length", "mean_shown_length", "{:.1f}"),
+    ("empty rate", "empty_rate", "{:.3f}"),
+)
+_GATE_FIGURES = (
+    ("accept rate", "accept_rate", "{:.3f}"),
+    ("accepted/100 req", "accepted_per_100", "{:.1f}"),
+    ("suggestion rate", "suggestion_rate", "{:.3f}"),
+    ("accepted chars/100 req", "accepted_chars_per_100", "{:.0f}"),
+    ("mean shown length", "mean_length", "{:.1f}"),
+    ("empty rate", "empty_rate", "{:.3f}"),
+    ("repetition rate", "repetition_rate", "{:.3f}"),
+)
+
+
+def _table(cand: dict, stable: dict, rows: tuple[tuple[str, str, str], ...]) -> list[str]:
+    def cell(d: dict, key: str, fmt: str) -> str:
+        return fmt.format(d[key]) if isinstance(d.get(key), int | float) else "-"
+
+    return [f"    {label:<23} {cell(cand, k, f):>10} {cell(stable, k, f):>10}" for label, k, f in rows]
+
+
+def render_rollout(s: dict) -> list[str]:
+    """The gate's and the canary's figures (guardrails included) and the last verdict with its reason."""
+    lines: list[str] = []
+    c = s.get("canary")
+    if c:
+        st = c["state"]
+        look = f"look {st.last_look}" if st and st.last_look >= 0 else "no look yet"
+        breaches = (
+            f", guardrail breached at {st.guardrail_breach_looks} look(s)" if st and st.guardrail_breach_looks else ""
+        )
+        lines.append(f"canary: v{c['version']} vs stable v{c['stable_version']} ({look}{breaches}), since it started:")
+        lines.append(f"    {'':<23} {'candidate':>10} {'stable':>10}")
+        lines.append(
+            f"    {'shown / served':<23} {c['candidate']['shown']:>4}/{c['candidate']['served']:<5} "
+            f"{c['stable']['shown']:>4}/{c['stable']['served']:<5}"
+        )
+        lines += _table(c["candidate"], c["stable"], _FIGURES)
+    g = s.get("gate")
+    if g is not None and g.figures.get("candidate") and g.figures["candidate"].get("requests"):
+        verdict = "passed" if g.decision == "gate_pass" else "failed"
+        lines.append(f"last eval gate: v{g.version} vs v{g.stable} {verdict}")
+        lines.append(f"    {'':<23} {'candidate':>10} {'stable':>10}")
+        lines += _table(g.figures["candidate"], g.figures.get("stable") or {}, _GATE_FIGURES)
+    v = s.get("verdict")
+    if v is not None:
+        when = time.strftime("%H:%M:%S", time.localtime(v.at))
+        lines.append(f"last verdict: {v.decision} v{v.version} at {when} by {v.actor}: {v.reason}")
+    return lines
 
 
 def _ago(ts: str | None) -> str:
@@ -68,6 +150,7 @@ def render(s: dict) -> str:
         f"last reload: v{rl.get('last_version', '-')} {_ago(rl.get('last_reload_at'))}"
         + (f"  error: {rl['last_error']}" if rl.get("last_error") else "")
     )
+    lines += render_rollout(s)
     if s["decisions"]:
         lines.append("recent rollout decisions:")
         for _, d in s["decisions"]:

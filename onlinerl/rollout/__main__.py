@@ -15,11 +15,11 @@ import sys
 import threading
 import time
 
-import redis
 from prometheus_client import generate_latest
 
 from onlinerl.config import ConfigError, load_config
 from onlinerl.httpserve import MetricsHTTPServer
+from onlinerl.redisconn import connect as redis_connect
 from onlinerl.rollout.controller import Evaluator, RolloutController
 
 DEFAULT_PORT = 8005
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.redis.url:
             raise ConfigError("redis.url: the rollout controller needs the job's Redis (set redis.url)")
         evaluator = load_evaluator(args.evaluator) if args.evaluator else None
-        r = redis.Redis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds)
+        r = redis_connect(cfg.redis)
         controller = RolloutController(r, cfg.job, cfg.rollout, evaluator)
     except (ConfigError, ValueError, ImportError, AttributeError) as exc:
         print(f"onlinerl.rollout: error: {exc}", file=sys.stderr)

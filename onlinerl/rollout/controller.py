@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import redis
 
+from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.config import RolloutConfig
 from onlinerl.keys import Keys
 from onlinerl.rollout.decision import ArmStats, DecisionRules, Verdict, decide
@@ -64,6 +65,7 @@ class RolloutController:
         on_decision: Iterable[DecisionHook] = (),
         metrics: RolloutMetrics | None = None,
         gate_attempts: int = 3,
+        gate_retry_seconds: float = 2.0,
     ) -> None:
         if cfg.strategy == "canary" and cfg.gate.enabled and evaluator is None:
             raise ValueError("rollout.gate.enabled needs an evaluator (or set rollout.gate.enabled: false)")
@@ -76,7 +78,9 @@ class RolloutController:
         self.on_decision = list(on_decision)
         self.metrics = metrics or RolloutMetrics()
         self.gate_attempts = gate_attempts
+        self.gate_retry_seconds = gate_retry_seconds
         self._gate_errors: dict[int, int] = {}
+        self._gate_retry_at: dict[int, float] = {}
         self._paused_noted: set[tuple[int, int]] = set()
         self.last_tick_ok: float | None = None  # monotonic time of the last tick that reached Redis
         self.evaluating: int | None = None  # the version under eval (an eval can take minutes: still healthy)
@@ -159,12 +163,17 @@ class RolloutController:
         """The gate's result; a reason string when it failed without figures; None to retry on the next tick."""
         if not self.cfg.gate.enabled:
             return _passed_without_eval()
+        if self.clock() < self._gate_retry_at.get(version, 0.0):
+            return None  # backing off after an evaluator error
         req = EvalRequest(self.keys.job, version, stable, self.cfg.gate.eval_samples)
         self.evaluating = version
         try:
             inp = self.evaluator(req)  # type: ignore[misc]
         except Exception as exc:
+            # Retries are spaced in time, not in ticks: a version is marked loaded before every gateway replica has
+            # refreshed its model list (409 for a moment), and fast ticks must not spend all attempts in that moment.
             n = self._gate_errors[version] = self._gate_errors.get(version, 0) + 1
+            self._gate_retry_at[version] = self.clock() + self.gate_retry_seconds * 2 ** (n - 1)
             log.warning("eval of v%d failed (attempt %d of %d): %s", version, n, self.gate_attempts, exc)
             return f"evaluator failed {n} times: {exc}" if n >= self.gate_attempts else None
         finally:
@@ -187,10 +196,12 @@ class RolloutController:
         state = self.store.state(cand)
         if state is None or state.state != "canary" or state.stable_version != stable:
             return self._restart_canary(table, state)
-        cand_stats = self.store.arm_stats(cand, "candidate")
-        stable_stats = self.store.arm_stats(stable, "stable").minus(ArmStats.from_mapping(state.baseline))
+        cand_stats = self.store.arm_stats(cand, CANDIDATE)
+        stable_stats = self.store.arm_stats(stable, STABLE).minus(ArmStats.from_mapping(state.baseline))
         now = self.clock()
-        v = decide(cand_stats, stable_stats, now - state.started_at, state.last_look, self.rules)
+        v = decide(
+            cand_stats, stable_stats, now - state.started_at, state.last_look, self.rules, state.guardrail_breach_looks
+        )
         self.metrics.observe_canary(cand, stable, v.p_accept_rate, cand_stats.accept_rate, stable_stats.accept_rate)
         if table.pinned is not None:
             return []
@@ -207,13 +218,14 @@ class RolloutController:
             return [rec]
         rec = self._record(v, cand, stable, now, v.action, v.reason)
         if v.action == "hold":
-            new_state = state.model_copy(update={"last_look": v.look})
+            new_state = state.model_copy(update={"last_look": v.look, "guardrail_breach_looks": v.breach_looks})
             policy = None
         else:
             new_state = state.model_copy(
                 update={
                     "state": "promoted" if v.action == "promote" else "rolled_back",
                     "last_look": v.look,
+                    "guardrail_breach_looks": v.breach_looks,
                     "decided_at": now,
                     "reason": v.reason,
                     "previous_stable": stable if v.action == "promote" else None,

@@ -18,6 +18,12 @@ Guards against noise and flapping:
   below ``1 - p`` however long the canary runs; evidence grows like sqrt(2) per look, so real effects still get through;
 * hysteresis: promote needs the promote bar on one rate with neither rate past the rollback bar; rollback needs the
   rollback bar (P(candidate < stable)) on either rate; between the two it holds;
+* guardrails (``rollout.guardrails``) against reward hacking: suggestion rate (shown / served), accepted characters
+  per 100 requests, mean shown length and empty rate, each against a floor relative to stable. A point figure past
+  its floor at a look blocks promotion (hold), so a candidate that is shorter and accepted more often, but leaves
+  users fewer accepted characters, is never promoted. It rolls back when the breach is credible: the posterior
+  probability of the breach passes the same alpha-spent rollback bar as the rates (a truly equal candidate is not
+  rolled back on noise); mean length, which has no posterior here, after ``breach_looks`` consecutive looks;
 * finality is the controller's part: a candidate gets at most one promote or rollback;
 * an equal candidate would hold forever and block newer versions: after ``max_looks`` looks a hold is
   ``inconclusive``, and the controller lets a newer loaded version supersede it (no verdict on its quality).
@@ -30,22 +36,25 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from onlinerl.config import RolloutConfig
+from onlinerl.config import GuardrailConfig, RolloutConfig
 from onlinerl.rollout.posterior import BetaPosterior, prob_greater
 
 Action = Literal["promote", "rollback", "hold"]
-COUNTER_FIELDS = ("shown", "accepted", "rejected", "empty", "served")
+COUNTER_FIELDS = ("shown", "accepted", "rejected", "empty", "served", "shown_chars", "accepted_chars")
 
 
 @dataclass(frozen=True)
 class ArmStats:
-    """The counters of one (version, arm), as in ``stats:v{N}:{arm}`` (gateway: served; feedback: the rest)."""
+    """The counters of one (version, arm), as in ``stats:v{N}:{arm}`` (gateway: served; feedback: the rest;
+    ``shown_chars`` / ``accepted_chars``: characters of the shown text of shown / accepted suggestions)."""
 
     shown: int = 0
     accepted: int = 0
     rejected: int = 0
     empty: int = 0
     served: int = 0
+    shown_chars: int = 0
+    accepted_chars: int = 0
 
     @classmethod
     def from_mapping(cls, raw: Mapping[Any, Any] | None) -> ArmStats:
@@ -71,6 +80,130 @@ class ArmStats:
     def requests(self) -> int:
         return max(self.served, self.shown)
 
+    @property
+    def suggestion_rate(self) -> float:
+        """Shown / served: how often the policy offers something at all."""
+        return self.shown / self.requests if self.requests else 0.0
+
+    @property
+    def accepted_chars_per_100(self) -> float:
+        """Accepted characters per 100 served requests: what the user actually got, the figure a policy that only
+        gets shorter or quieter cannot raise."""
+        return 100.0 * self.accepted_chars / self.requests if self.requests else 0.0
+
+    @property
+    def mean_shown_length(self) -> float:
+        return self.shown_chars / self.shown if self.shown else 0.0
+
+    @property
+    def empty_rate(self) -> float:
+        """Empty / (shown + empty): rated outcomes where the policy produced only whitespace."""
+        rated = self.shown + self.empty
+        return self.empty / rated if rated else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The counters and every derived figure, for decision records and status."""
+        return {
+            **asdict(self),
+            "accept_rate": round(self.accept_rate, 6),
+            "accepted_per_100": round(self.accepted_per_100, 4),
+            "suggestion_rate": round(self.suggestion_rate, 6),
+            "accepted_chars_per_100": round(self.accepted_chars_per_100, 2),
+            "mean_shown_length": round(self.mean_shown_length, 2),
+            "empty_rate": round(self.empty_rate, 6),
+        }
+
+
+@dataclass(frozen=True)
+class Guardrails:
+    """Floors relative to stable (see ``GuardrailConfig``)."""
+
+    min_suggestion_rate_ratio: float = 0.8
+    min_accepted_chars_ratio: float = 0.9
+    min_shown_length_ratio: float = 0.5
+    max_empty_rate_increase: float = 0.1
+    breach_looks: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: GuardrailConfig) -> Guardrails:
+        return cls(
+            cfg.min_suggestion_rate_ratio,
+            cfg.min_accepted_chars_ratio,
+            cfg.min_shown_length_ratio,
+            cfg.max_empty_rate_increase,
+            cfg.breach_looks,
+        )
+
+
+@dataclass(frozen=True)
+class Breach:
+    """One broken guardrail: its reason, and P(the candidate's true figure is below the floor) where the counters
+    allow a posterior (rates of Bernoulli events), else None (mean length)."""
+
+    reason: str
+    probability: float | None
+
+
+def prob_below(cand_successes: int, cand_trials: int, ratio: float, stable_successes: int, stable_trials: int) -> float:
+    """P(p_candidate < ratio * p_stable) for Beta(1, 1) posteriors, normal approximation (ratio != 1: no exact sum)."""
+    c = BetaPosterior.from_counts(cand_successes, cand_trials)
+    s = BetaPosterior.from_counts(stable_successes, stable_trials)
+    sd = math.sqrt(c.variance + ratio * ratio * s.variance)
+    return 0.5 * math.erfc((c.mean - ratio * s.mean) / (sd * math.sqrt(2.0)))
+
+
+def guardrail_breaches(candidate: ArmStats, stable: ArmStats, g: Guardrails) -> list[Breach]:
+    """Every guardrail whose point figure is past its floor. Character guardrails are skipped while stable has no
+    character counts (a feedback service that does not count them yet).
+
+    Accepted characters per request = yield x mean accepted length; its uncertainty is dominated by the yield (a
+    Bernoulli rate), so its breach probability is that of ``yield_c < floor * (len_s / len_c) * yield_s``, with the
+    mean lengths taken as known (they are averages of many suggestions)."""
+    out: list[Breach] = []
+    c, s = candidate, stable
+    if c.suggestion_rate < g.min_suggestion_rate_ratio * s.suggestion_rate:
+        p = prob_below(c.shown, c.requests, g.min_suggestion_rate_ratio, s.shown, s.requests)
+        out.append(
+            Breach(
+                f"suggestion rate {c.suggestion_rate:.3f} < {g.min_suggestion_rate_ratio} x stable "
+                f"{s.suggestion_rate:.3f}",
+                p,
+            )
+        )
+    if s.accepted_chars > 0 and c.accepted_chars_per_100 < g.min_accepted_chars_ratio * s.accepted_chars_per_100:
+        len_c = c.accepted_chars / c.accepted if c.accepted else 0.0
+        len_s = s.accepted_chars / s.accepted
+        p = (
+            prob_below(c.accepted, c.requests, g.min_accepted_chars_ratio * len_s / len_c, s.accepted, s.requests)
+            if len_c > 0
+            else prob_below(c.accepted, c.requests, 1.0, s.accepted, s.requests)
+        )
+        out.append(
+            Breach(
+                f"accepted chars per 100 requests {c.accepted_chars_per_100:.1f} < {g.min_accepted_chars_ratio} "
+                f"x stable {s.accepted_chars_per_100:.1f}",
+                p,
+            )
+        )
+    if s.shown_chars > 0 and c.mean_shown_length < g.min_shown_length_ratio * s.mean_shown_length:
+        out.append(
+            Breach(
+                f"mean shown length {c.mean_shown_length:.1f} chars < {g.min_shown_length_ratio} x stable "
+                f"{s.mean_shown_length:.1f}",
+                None,
+            )
+        )
+    if c.empty_rate > s.empty_rate + g.max_empty_rate_increase:
+        rated_c, rated_s = c.shown + c.empty, s.shown + s.empty
+        # P(non-empty share of the candidate < stable's - allowance), as a ratio of the stable's non-empty share
+        s_ok = 1.0 - s.empty_rate
+        ratio = max(0.0, (s_ok - g.max_empty_rate_increase) / s_ok) if s_ok > 0 else 0.0
+        p = prob_below(c.shown, rated_c, ratio, s.shown, rated_s)
+        out.append(
+            Breach(f"empty rate {c.empty_rate:.3f} > stable {s.empty_rate:.3f} + {g.max_empty_rate_increase}", p)
+        )
+    return out
+
 
 @dataclass(frozen=True)
 class DecisionRules:
@@ -79,10 +212,17 @@ class DecisionRules:
     promote_probability: float = 0.95
     rollback_probability: float = 0.95
     max_looks: int = 5  # holds from look 5 on (32 x min_samples per arm) are inconclusive
+    guardrails: Guardrails = Guardrails()
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig) -> DecisionRules:
-        return cls(cfg.min_samples, cfg.min_dwell_seconds, cfg.promote_probability, cfg.rollback_probability)
+        return cls(
+            cfg.min_samples,
+            cfg.min_dwell_seconds,
+            cfg.promote_probability,
+            cfg.rollback_probability,
+            guardrails=Guardrails.from_config(cfg.guardrails),
+        )
 
     def inconclusive(self, last_look: int) -> bool:
         """True once the looks tested so far reach ``max_looks`` without a verdict."""
@@ -101,6 +241,8 @@ class Verdict:
     p_yield: float
     candidate: ArmStats
     stable: ArmStats
+    breaches: tuple[str, ...] = ()
+    breach_looks: int = 0  # consecutive evaluated looks with a guardrail breach, this one included
 
     @property
     def samples(self) -> int:
@@ -113,16 +255,10 @@ class Verdict:
             "p_yield": round(self.p_yield, 6),
             "look": self.look,
             "samples": self.samples,
-            "candidate": {
-                **asdict(self.candidate),
-                "accept_rate": round(self.candidate.accept_rate, 6),
-                "accepted_per_100": round(self.candidate.accepted_per_100, 4),
-            },
-            "stable": {
-                **asdict(self.stable),
-                "accept_rate": round(self.stable.accept_rate, 6),
-                "accepted_per_100": round(self.stable.accepted_per_100, 4),
-            },
+            "guardrail_breaches": list(self.breaches),
+            "guardrail_breach_looks": self.breach_looks,
+            "candidate": self.candidate.summary(),
+            "stable": self.stable.summary(),
         }
 
 
@@ -157,15 +293,23 @@ def win_probabilities(candidate: ArmStats, stable: ArmStats) -> tuple[float, flo
 
 
 def decide(
-    candidate: ArmStats, stable: ArmStats, dwell_seconds: float, last_look: int, rules: DecisionRules
+    candidate: ArmStats,
+    stable: ArmStats,
+    dwell_seconds: float,
+    last_look: int,
+    rules: DecisionRules,
+    breach_looks: int = 0,
 ) -> Verdict:
-    """Promote, roll back or hold, given counters since the candidate started and the last look already tested."""
+    """Promote, roll back or hold, given counters since the candidate started, the last look already tested and the
+    number of consecutive looks before this one that broke a guardrail."""
     p_rate, p_yield = win_probabilities(candidate, stable)
     n = min(candidate.shown, stable.shown)
     look = look_index(n, rules.min_samples)
+    breaches: tuple[str, ...] = ()
 
     def verdict(action: Action, reason: str, evaluated: bool) -> Verdict:
-        return Verdict(action, reason, look, evaluated, p_rate, p_yield, candidate, stable)
+        streak = (breach_looks + 1 if breaches else 0) if evaluated else breach_looks
+        return Verdict(action, reason, look, evaluated, p_rate, p_yield, candidate, stable, breaches, streak)
 
     if look < 0:
         return verdict("hold", f"collecting samples: {n} of {rules.min_samples} shown in the smaller arm", False)
@@ -184,6 +328,19 @@ def decide(
             f"P(candidate < stable) = {1 - p_yield:.4f} >= {worse:.4f}",
             True,
         )
+    found = guardrail_breaches(candidate, stable, rules.guardrails)
+    breaches = tuple(b.reason for b in found)
+    if found:
+        streak = breach_looks + 1
+        credible = [b for b in found if b.probability is not None and b.probability >= worse]
+        persistent = [b for b in found if b.probability is None and streak >= rules.guardrails.breach_looks]
+        if credible or persistent:
+            why = "; ".join(
+                [f"{b.reason} (P = {b.probability:.4f} >= {worse:.4f})" for b in credible]
+                + [f"{b.reason} (at {streak} consecutive looks)" for b in persistent]
+            )
+            return verdict("rollback", f"guardrail broken: {why}", True)
+        return verdict("hold", f"guardrail broken, not promoted (look {look}): {'; '.join(breaches)}", True)
     better = look_threshold(rules.promote_probability, look)
     if p_rate >= better:
         return verdict("promote", f"accept rate better: P(candidate >= stable) = {p_rate:.4f} >= {better:.4f}", True)

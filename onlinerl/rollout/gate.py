@@ -4,6 +4,9 @@ stable's by more than the configured margins, and its outputs are not degenerate
 The eval run itself (held-out prompts through the serving path, a simulated user deciding accept) is ``onlinerl
 eval``'s job; it hands the gate a :class:`GateInput`: for each version, one :class:`EvalRecord` per request.
 
+Guardrails against reward hacking (a policy that only gets shorter or quieter must not pass): suggestion rate (shown /
+requests), accepted characters per 100 requests and mean shown length, each against a floor relative to stable.
+
 Degeneracy checks compare against fixed bars *and* against stable: a bar that the stable policy itself already
 breaks (the base model degenerates on some prompts) would otherwise block every candidate, including the ones that
 repair it. So a check fails when the candidate is over its bar and worse than stable.
@@ -62,6 +65,8 @@ class GateThresholds:
     min_records: int = 64
     max_length_ratio: float = 4.0
     min_length_ratio: float = 0.25
+    min_suggestion_rate_ratio: float = 0.8
+    min_accepted_chars_ratio: float = 0.75
 
     @classmethod
     def from_config(cls, cfg: GateConfig, **overrides: float) -> GateThresholds:
@@ -71,6 +76,10 @@ class GateThresholds:
             cfg.max_empty_rate,
             cfg.max_repetition_rate,
             cfg.eval_samples,
+            cfg.max_length_ratio,
+            cfg.min_length_ratio,
+            cfg.min_suggestion_rate_ratio,
+            cfg.min_accepted_chars_ratio,
         )
         return cls(**{**asdict(base), **overrides})
 
@@ -85,6 +94,8 @@ class EvalFigures:
     empty_rate: float
     repetition_rate: float
     mean_length: float
+    suggestion_rate: float = 0.0
+    accepted_chars_per_100: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ def repetition_score(text: str) -> float:
 def eval_figures(records: Sequence[EvalRecord]) -> EvalFigures:
     shown = [r for r in records if r.shown_text.strip()]
     accepted = sum(1 for r in shown if r.accepted)
+    accepted_chars = sum(len(r.shown_text) for r in shown if r.accepted)
     n = len(records)
     return EvalFigures(
         requests=n,
@@ -130,6 +142,8 @@ def eval_figures(records: Sequence[EvalRecord]) -> EvalFigures:
         empty_rate=1.0 - len(shown) / n if n else 1.0,
         repetition_rate=sum(repetition_score(r.shown_text) for r in shown) / len(shown) if shown else 0.0,
         mean_length=sum(len(r.shown_text) for r in shown) / len(shown) if shown else 0.0,
+        suggestion_rate=len(shown) / n if n else 0.0,
+        accepted_chars_per_100=100.0 * accepted_chars / n if n else 0.0,
     )
 
 
@@ -151,6 +165,16 @@ def evaluate_gate(inp: GateInput, th: GateThresholds) -> GateResult:
             f"accepted per 100 requests {cand.accepted_per_100:.2f} < stable {stab.accepted_per_100:.2f} "
             f"- margin {th.accepted_per_100_margin}"
         )
+    if cand.suggestion_rate < th.min_suggestion_rate_ratio * stab.suggestion_rate:
+        reasons.append(
+            f"guardrail: suggestion rate {cand.suggestion_rate:.3f} < {th.min_suggestion_rate_ratio} x stable "
+            f"{stab.suggestion_rate:.3f}"
+        )
+    if cand.accepted_chars_per_100 < th.min_accepted_chars_ratio * stab.accepted_chars_per_100:
+        reasons.append(
+            f"guardrail: accepted chars per 100 requests {cand.accepted_chars_per_100:.1f} < "
+            f"{th.min_accepted_chars_ratio} x stable {stab.accepted_chars_per_100:.1f}"
+        )
     if cand.empty_rate > th.max_empty_rate and cand.empty_rate > stab.empty_rate:
         reasons.append(f"empty rate {cand.empty_rate:.3f} > max {th.max_empty_rate} (stable {stab.empty_rate:.3f})")
     if cand.repetition_rate > th.max_repetition_rate and cand.repetition_rate > stab.repetition_rate:
@@ -162,10 +186,12 @@ def evaluate_gate(inp: GateInput, th: GateThresholds) -> GateResult:
         ratio = cand.mean_length / stab.mean_length
         if ratio > th.max_length_ratio:
             reasons.append(
-                f"mean length {cand.mean_length:.0f} chars is {ratio:.1f}x stable's, max {th.max_length_ratio}x"
+                f"guardrail: mean length {cand.mean_length:.0f} chars is {ratio:.1f}x stable's, "
+                f"max {th.max_length_ratio}x"
             )
         if ratio < th.min_length_ratio:
             reasons.append(
-                f"mean length {cand.mean_length:.0f} chars is {ratio:.2f}x stable's, min {th.min_length_ratio}x"
+                f"guardrail: mean length {cand.mean_length:.0f} chars is {ratio:.2f}x stable's, "
+                f"min {th.min_length_ratio}x"
             )
     return GateResult(not reasons, tuple(reasons), cand, stab)

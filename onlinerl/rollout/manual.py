@@ -2,6 +2,11 @@
 
 Each action is one atomic ``RolloutStore.apply`` checked against the table it read (retried on a concurrent change),
 and is recorded in the ``decisions`` stream with its ``actor``, like every controller decision.
+
+A manual decision sticks until the next one: rollback and pin write ``hold`` (the stable a human fixed) in the same
+transaction, and under ``rollout.strategy: direct`` the reloader never raises stable while it is set -- not on the next
+checkpoint, not after a reloader or vLLM restart. ``resume`` clears it. Versions rolled back are marked
+``rolled_back`` and are never made stable automatically again, hold or not.
 """
 
 from __future__ import annotations
@@ -9,26 +14,28 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import redis
-
-from onlinerl.config import RolloutConfig
+from onlinerl.config import RedisConfig, RolloutConfig
 from onlinerl.errors import CommandError
 from onlinerl.keys import Keys
+from onlinerl.redisconn import connect as redis_connect
 from onlinerl.rollout.records import DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
 
 ATTEMPTS = 5
+# A version serving can be sent to: loaded now, or loaded before (LoRA: unloaded; full weights: replaced) -- the
+# reloader loads what the table references again.
+SERVABLE = ("loaded", "retired")
 
 
 def _servable(store: RolloutStore, version: int) -> None:
     """Refuse a version serving cannot route to: the message lists the ones it can."""
     if version == 0:
         return
-    loaded = sorted(v for v, s in store.versions().items() if s.state == "loaded")
-    if version not in loaded:
+    servable = sorted(v for v, s in store.versions().items() if s.state in SERVABLE)
+    if version not in servable:
         raise CommandError(
-            f"version {version} is not loaded in serving (loaded: {[0, *loaded]}); "
+            f"version {version} is not loaded in serving (servable: {[0, *servable]}); "
             "wait for the reloader or pass --force"
         )
 
@@ -43,35 +50,46 @@ def _retry(store: RolloutStore, act) -> DecisionRecord:
 
 
 def pin(store: RolloutStore, version: int | None, *, actor: str = "cli", force: bool = False) -> DecisionRecord:
-    """Serve every user ``version`` (None unpins). The canary is frozen while pinned."""
+    """Serve every user ``version`` (None unpins). The canary is frozen while pinned; a pin also holds stable where
+    it is (direct strategy), until ``resume``. Unpinning keeps that hold: back to the held stable, not the newest."""
     if version is not None and not force:
         _servable(store, version)
 
     def act(table: PolicyTable) -> tuple[DecisionRecord, dict[str, Any]]:
-        kind = "pin" if version is not None else "unpin"
-        reason = f"pinned to v{version}" if version is not None else f"unpinned (was v{table.pinned})"
+        if version is None:
+            reason = f"unpinned (was v{table.pinned})" + _held_note(table.hold)
+            return DecisionRecord(decision="unpin", stable=table.stable, reason=reason, actor=actor), {
+                "policy": {"pinned": None}
+            }
+        hold = table.stable if table.hold is None else table.hold
         return (
-            DecisionRecord(decision=kind, version=version, stable=table.stable, reason=reason, actor=actor),
-            {"policy": {"pinned": version}},
+            DecisionRecord(
+                decision="pin", version=version, stable=table.stable, reason=f"pinned to v{version}", actor=actor
+            ),
+            {"policy": {"pinned": version, "hold": hold}},
         )
 
     return _retry(store, act)
 
 
+def _held_note(hold: int | None) -> str:
+    return "" if hold is None else f"; stable held at v{hold} (strategy direct) until `onlinerl policy resume`"
+
+
 def set_paused(store: RolloutStore, paused: bool, *, actor: str = "cli") -> DecisionRecord:
-    """Pause (or resume) promotion and new candidates; rollbacks of a worse candidate still happen."""
+    """Pause (or resume) promotion and new candidates; rollbacks of a worse candidate still happen. Resume also
+    releases a manual hold (rollback, pin): new versions may become stable again."""
 
     def act(table: PolicyTable) -> tuple[DecisionRecord, dict[str, Any]]:
         kind = "pause" if paused else "resume"
+        if paused:
+            reason = "promotion paused"
+        else:
+            reason = "promotion resumed" + ("" if table.hold is None else f" (stable no longer held at v{table.hold})")
+        updates: dict[str, Any] = {"paused": paused} if paused else {"paused": False, "hold": None}
         return (
-            DecisionRecord(
-                decision=kind,
-                version=table.candidate,
-                stable=table.stable,
-                actor=actor,
-                reason="promotion paused" if paused else "promotion resumed",
-            ),
-            {"policy": {"paused": paused}},
+            DecisionRecord(decision=kind, version=table.candidate, stable=table.stable, actor=actor, reason=reason),
+            {"policy": updates},
         )
 
     return _retry(store, act)
@@ -84,7 +102,7 @@ def previous_stable(store: RolloutStore, table: PolicyTable) -> int:
     if current is not None and current.previous_stable is not None:
         return current.previous_stable
     bad = {v for v, s in states.items() if s.state in ("rolled_back", "gate_failed")}
-    below = [v for v, s in store.versions().items() if s.state == "loaded" and v < table.stable and v not in bad]
+    below = [v for v, s in store.versions().items() if s.state in SERVABLE and v < table.stable and v not in bad]
     return max(below, default=0)
 
 
@@ -92,7 +110,8 @@ def rollback(
     store: RolloutStore, to_version: int | None = None, *, actor: str = "cli", force: bool = False
 ) -> DecisionRecord:
     """Roll back: with a candidate and no target, end the canary; otherwise make ``to_version`` (default: the
-    previous stable) stable. Versions rolled back from are marked ``rolled_back`` so they are never proposed again.
+    previous stable) stable. Versions rolled back from are marked ``rolled_back`` so they are never proposed again,
+    and stable is held at the target (``hold``) until ``resume``: no automatic raise undoes a human's rollback.
     """
     if to_version is not None and not force:
         _servable(store, to_version)
@@ -118,10 +137,12 @@ def rollback(
             stable=table.stable,
             actor=actor,
             at=now,
-            reason=f"manual rollback: {', '.join(f'v{v}' for v in victims)} rolled back, v{target} serves",
+            reason=f"manual rollback: {', '.join(f'v{v}' for v in victims)} rolled back, v{target} serves"
+            + _held_note(target),
             figures={"rolled_back": victims, "candidate": table.candidate},
         )
-        return rec, {"policy": {"stable": target, "candidate": None, "canary_share": 0.0}, "states": states}
+        policy = {"stable": target, "candidate": None, "canary_share": 0.0, "hold": target}
+        return rec, {"policy": policy, "states": states}
 
     return _retry(store, act)
 
@@ -150,4 +171,4 @@ def show(store: RolloutStore, decisions: int = 10) -> dict[str, Any]:
 def connect(url: str, job: str) -> RolloutStore:
     if not url:
         raise CommandError("no Redis to act on: pass --redis-url or set redis.url in the config")
-    return RolloutStore(redis.Redis.from_url(url, socket_connect_timeout=2.0), Keys(job))
+    return RolloutStore(redis_connect(RedisConfig(), url), Keys(job))  # default deadlines

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from onlinerl.arms import CANDIDATE, STABLE
+
 DECISION_KINDS = ("gate_pass", "gate_fail", "promote", "rollback", "hold", "pin", "supersede")
 
 
@@ -34,8 +36,8 @@ class RolloutMetrics:
     ) -> None:
         self.win_probability.set(p_win)
         self.accept_rate.clear()  # drop series of versions no longer in the canary
-        self.accept_rate.labels(str(candidate), "candidate").set(candidate_rate)
-        self.accept_rate.labels(str(stable), "stable").set(stable_rate)
+        self.accept_rate.labels(str(candidate), CANDIDATE).set(candidate_rate)
+        self.accept_rate.labels(str(stable), STABLE).set(stable_rate)
 
     def no_canary(self) -> None:
         self.win_probability.set(float("nan"))

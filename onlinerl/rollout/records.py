@@ -28,6 +28,7 @@ class RolloutState(_Record):
     stable_version: int = 0
     baseline: dict[str, Any] = Field(default_factory=dict, description="stable arm counters when the canary started")
     last_look: int = -1
+    guardrail_breach_looks: int = Field(0, description="consecutive evaluated looks that broke a guardrail")
     decided_at: float | None = None
     previous_stable: int | None = Field(None, description="for a promoted version: the stable it replaced")
     reason: str = ""

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import redis
 
+from onlinerl.arms import STABLE, Arm
 from onlinerl.keys import Keys
 from onlinerl.rollout.decision import ArmStats
 from onlinerl.rollout.records import DecisionRecord, RolloutState
@@ -84,7 +85,8 @@ class RolloutStore:
         raw = self.r.hget(self.keys.rollout, str(version))
         return RolloutState.from_json(raw) if raw else None
 
-    def arm_stats(self, version: int, arm: str) -> ArmStats:
+    def arm_stats(self, version: int, arm: Arm) -> ArmStats:
+        """Counters of one (version, arm), incl. ``shown_chars`` / ``accepted_chars`` (0 where not counted)."""
         return ArmStats.from_mapping(self.r.hgetall(self.keys.stats(version, arm)))
 
     def decisions(self, count: int = 20) -> list[tuple[str, DecisionRecord]]:
@@ -110,8 +112,8 @@ class RolloutStore:
     ) -> str | None:
         """Apply atomically; returns the decision's stream id, or None when the policy table changed meanwhile.
 
-        ``snapshot_stable``: copy ``stats:v{N}:stable`` into the first state's ``baseline`` inside the script, so the
-        canary's stable counts start exactly when the candidate starts receiving traffic.
+        ``snapshot_stable``: copy the stable arm's ``stats:v{N}:stable`` into the first state's ``baseline`` inside the
+        script, so the canary's stable counts start exactly when the candidate starts receiving traffic.
         """
         updates = {
             k: ("" if v is None else ("1" if v is True else "0" if v is False else str(v)))
@@ -122,7 +124,7 @@ class RolloutStore:
         states = list(states)
         by_version = {str(st.version): st.to_json().decode() for st in states}
         snap_field = str(states[0].version) if snapshot_stable is not None and states else ""
-        snap_key = self.keys.stats(snapshot_stable, "stable") if snapshot_stable is not None else self.keys.policy
+        snap_key = self.keys.stats(snapshot_stable, STABLE) if snapshot_stable is not None else self.keys.policy
         result = self._apply(
             keys=[self.keys.policy, self.keys.rollout, self.keys.decisions, snap_key],
             args=[

@@ -10,6 +10,7 @@ import logging
 import os
 
 import kopf
+
 from onlinerl_operator import constants as c
 from onlinerl_operator.handlers import build_registry
 

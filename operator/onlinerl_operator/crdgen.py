@@ -12,10 +12,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from onlinerl.config import OnlineRLConfig
 from onlinerl_operator import constants as c
 from onlinerl_operator.status import JobStatus
-
-from onlinerl.config import OnlineRLConfig
 
 _DROP = {"title", "$defs"}
 

@@ -2,6 +2,9 @@
 
 Thin by design: every decision lives in reconcile.py (I/O) and render.py/status.py/spec.py (pure). Handlers return
 None so kopf writes no handler results into status; its progress and diff-base live in annotations (settings()).
+Failures become kopf's typed retries here: a refused step (:class:`StepFailure`) and an unreachable data plane are
+``kopf.TemporaryError`` with the step's delay; a refusal no retry can fix (an invalid object) is ``kopf.PermanentError``
+until the spec changes. Anything else is a bug and propagates as one.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import logging
 from typing import Any
 
 import kopf
+
 from onlinerl_operator import constants as c
 from onlinerl_operator.kube import Kube
 from onlinerl_operator.metrics import RECONCILES, serve_health_and_metrics
-from onlinerl_operator.reconcile import Reconciler
+from onlinerl_operator.reconcile import DataPlaneUnavailable, Reconciler, RetryPolicy, StepFailure
 
 log = logging.getLogger("onlinerl.operator")
 RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
@@ -38,8 +42,11 @@ def _locks(memo: Any) -> dict[str, asyncio.Lock]:
     return memo.setdefault("locks", {})
 
 
-def build_registry(interval: float = 10.0, health_port: int | None = None) -> kopf.OperatorRegistry:
-    """All handlers on a fresh registry. ``interval``: seconds between observe passes (status, trainer retries)."""
+def build_registry(
+    interval: float = 10.0, health_port: int | None = None, retry: RetryPolicy | None = None
+) -> kopf.OperatorRegistry:
+    """All handlers on a fresh registry. ``interval``: seconds between observe passes (status, trainer retries);
+    ``retry``: delays before a step the API refused is tried again."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -48,7 +55,7 @@ def build_registry(interval: float = 10.0, health_port: int | None = None) -> ko
         if memo.get("reconciler") is None:
             # Tests inject a factory (the client must be created inside the operator's own event loop).
             factory = memo.get("kube_factory")
-            memo["reconciler"] = Reconciler(factory() if factory else await Kube.from_environment())
+            memo["reconciler"] = Reconciler(factory() if factory else await Kube.from_environment(), retry)
             memo["owns_client"] = True
         memo.setdefault("locks", {})
         if health_port:
@@ -62,20 +69,61 @@ def build_registry(interval: float = 10.0, health_port: int | None = None) -> ko
             await memo["reconciler"].kube.close()
 
     async def _run(memo: kopf.Memo, namespace: str, name: str, uid: str, apply: bool) -> None:
-        lock = _locks(memo).setdefault(uid, asyncio.Lock())
-        async with lock:
+        kind = "spec" if apply else "observe"
+        async with _locks(memo).setdefault(uid, asyncio.Lock()):
             try:
                 await memo["reconciler"].reconcile(namespace, name, apply=apply)
-                RECONCILES.labels(kind="spec" if apply else "observe", result="ok").inc()
+            except StepFailure as failure:
+                RECONCILES.labels(kind=kind, result=str(failure.reason)).inc()
+                if failure.retry_after is None:
+                    raise kopf.PermanentError(failure.message) from None
+                raise kopf.TemporaryError(failure.message, delay=failure.retry_after) from None
             except Exception:
-                RECONCILES.labels(kind="spec" if apply else "observe", result="error").inc()
+                RECONCILES.labels(kind=kind, result="error").inc()
                 raise
+            RECONCILES.labels(kind=kind, result="ok").inc()
+
+    async def _once(memo: kopf.Memo, uid: str, action: Any) -> None:
+        """A one-shot spec field: under the object's lock (a status write must not interleave with a pass)."""
+        async with _locks(memo).setdefault(uid, asyncio.Lock()):
+            try:
+                await action(memo["reconciler"])
+            except DataPlaneUnavailable as exc:
+                raise kopf.TemporaryError(f"{exc}; applied once Redis answers", delay=5) from None
 
     @kopf.on.resume(*RESOURCE, registry=registry, backoff=5)
     @kopf.on.create(*RESOURCE, registry=registry, backoff=5)
     @kopf.on.update(*RESOURCE, registry=registry, backoff=5)
     async def spec_changed(memo: kopf.Memo, namespace: str, name: str, uid: str, **_: Any) -> None:
         await _run(memo, namespace, name, uid, apply=True)
+
+    # One-shot spec fields: applied once per change of the field (kopf keeps the last handled value), so a later
+    # manual decision (`onlinerl policy unpin`, `resume`) sticks until the field changes again.
+    @kopf.on.field(*RESOURCE, field="spec.rollout.pinnedVersion", registry=registry, backoff=5)
+    async def pinned_version(new: Any, memo: kopf.Memo, namespace: str, name: str, uid: str, **_: Any) -> None:
+        value = "" if new is None else str(int(new))
+        await _once(memo, uid, lambda r: r.apply_policy_field(namespace, name, "pinned", value))
+
+    @kopf.on.field(*RESOURCE, field="spec.rollout.paused", registry=registry, backoff=5)
+    async def paused(new: Any, memo: kopf.Memo, namespace: str, name: str, uid: str, **_: Any) -> None:
+        value = "1" if new else "0"
+        await _once(memo, uid, lambda r: r.apply_policy_field(namespace, name, "paused", value))
+
+    @kopf.on.field(*RESOURCE, field="spec.rollout.rollbackTo", registry=registry, backoff=5)
+    async def rollback_to(new: Any, memo: kopf.Memo, namespace: str, name: str, uid: str, **_: Any) -> None:
+        if new is None:
+            return
+
+        async def act(r: Reconciler) -> None:
+            problem = await r.apply_rollback(namespace, name, int(new))
+            if problem:
+                kopf.warn(
+                    {"metadata": {"name": name, "namespace": namespace, "uid": uid}},
+                    reason="RollbackRefused",
+                    message=problem,
+                )
+
+        await _once(memo, uid, act)
 
     @kopf.timer(*RESOURCE, registry=registry, interval=interval, initial_delay=interval)
     async def observe(memo: kopf.Memo, namespace: str, name: str, uid: str, **_: Any) -> None:

@@ -1,7 +1,8 @@
 """What the operator reads from (and the one thing it writes to) the job's Redis: docs/architecture.md keys.
 
 Reads: the policy table, per-version stats counters and the trainer's status hash, for the CR status.
-Writes: only the ``pinned`` field of the policy table (``spec.rollout.pinnedVersion``); the reloader and the rollout
+Writes: only the ``pinned`` and ``paused`` fields of the policy table (spec.rollout.pinnedVersion / paused), once per
+change of the spec field, and ``spec.rollout.rollbackTo`` through the CLI's own rollback; the reloader and the rollout
 controller own the other fields, so the operator never rewrites them.
 """
 
@@ -12,16 +13,17 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from onlinerl_operator.kube import Kube
-from onlinerl_operator.render import RenderContext
 
+from onlinerl.arms import LIVE_ARMS
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl.schemas import PolicyTable
+from onlinerl_operator.kube import Kube
+from onlinerl_operator.render import RenderContext
 
 MAX_DECISIONS_PER_PASS = 20
 
-ARMS = ("stable", "candidate", "pinned", "base")
+ARMS = LIVE_ARMS
 
 
 @dataclass
@@ -32,12 +34,15 @@ class RedisView:
     samples_trained: int | None = None
     trainer_step: int | None = None
     last_checkpoint_at: float | None = None
-    pin_changed: bool = False
     decisions: list[tuple[str, DecisionRecord]] = field(default_factory=list)
 
 
 async def redis_url(kube: Kube, ctx: RenderContext) -> str:
-    """The URL the pods use: spec.redis.url, the external URL Secret, or the in-cluster Service."""
+    """The URL the pods use: spec.redis.url, the external URL Secret, or the in-cluster Service (with its password)."""
+    if ctx.in_cluster_redis:
+        from onlinerl_operator.redis_auth import in_cluster_redis_url
+
+        return await in_cluster_redis_url(kube, ctx)
     if ctx.redis_url:
         return ctx.redis_url
     secret = await kube.get("Secret", ctx.namespace, ctx.cfg.redis.url_secret)
@@ -52,27 +57,31 @@ def _int(raw: dict[bytes, bytes], field: str) -> int:
     return int(float(value)) if value not in (None, b"") else 0
 
 
-async def apply_pin_and_read(
-    url: str,
-    job: str,
-    pinned: int | None,
-    timeout: float = 2.0,
-    paused: bool | None = None,
-    decisions_after: str | None = None,
-) -> RedisView:
-    """Write ``pinned`` (and ``paused``, when given) where they differ (idempotent), then read what status shows."""
+def _client(url: str, timeout: float) -> aioredis.Redis:
+    return aioredis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+
+
+async def write_policy_field(url: str, job: str, name: str, value: str, timeout: float = 2.0) -> bool:
+    """Set one operator-owned field of the policy table (``pinned`` from spec.rollout.pinnedVersion, ``paused`` from
+    spec.rollout.paused) when it differs. Called once per change of that spec field (a kopf field handler), so a
+    later manual decision (``onlinerl policy unpin``) sticks until the spec field changes again."""
     keys = Keys(job)
-    r = aioredis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    r = _client(url, timeout)
+    try:
+        if ((await r.hget(keys.policy, name)) or b"").decode() == value:
+            return False
+        await r.hset(keys.policy, mapping={name: value, "updated_at": repr(time.time())})
+        return True
+    finally:
+        await r.aclose()
+
+
+async def read_view(url: str, job: str, timeout: float = 2.0, decisions_after: str | None = None) -> RedisView:
+    """What status shows: the policy table, the stable version's figures, the trainer, decisions not yet reported."""
+    keys = Keys(job)
+    r = _client(url, timeout)
     try:
         view = RedisView()
-        current = await r.hget(keys.policy, "pinned")
-        want = "" if pinned is None else str(pinned)
-        if (current or b"").decode() != want:
-            await r.hset(keys.policy, mapping={"pinned": want, "updated_at": repr(time.time())})
-            view.pin_changed = True
-        if paused is not None and ((await r.hget(keys.policy, "paused")) == b"1") != paused:
-            # spec.rollout.paused stops promotions (the rollout controller reads it); never rollbacks.
-            await r.hset(keys.policy, mapping={"paused": "1" if paused else "0", "updated_at": repr(time.time())})
         view.policy = PolicyTable.from_redis(await r.hgetall(keys.policy))
         # Rollout decisions not yet reported (each becomes a Kubernetes Event); on first sight only the newest few.
         if decisions_after:

@@ -1,25 +1,42 @@
-"""One reconcile pass for one OnlineRLJob: apply the children, drive the trainer Job, pin, observe, write status.
+"""One reconcile pass for one OnlineRLJob: an ordered list of steps, then a pure status composition.
 
-Two entry points share it: ``reconcile`` (spec created/changed/resumed: applies every child) and ``observe``
-(periodic: trainer retries, readiness, Redis figures). Both read the object fresh and hold a per-object lock, so a
-timer tick never writes a status computed from a body older than the handler's.
+Each step owns one concern and fills its part of the :class:`Observation`:
+
+1. ``children``   -- server-side apply of every child but the trainer Job; delete the ones the spec no longer wants
+2. ``trainer``    -- drive the trainer Job: create, suspend/resume, replace on a new spec, retry on failure
+3. ``components`` -- readiness of the serving and feedback Deployments
+4. ``data plane`` -- the job's Redis: policy table, figures, new rollout decisions (each one a Kubernetes Event)
+
+The first step the Kubernetes API refuses ends the pass: its typed reason (:class:`StepFailure`, ``Reason.API_*``)
+goes into the Degraded condition, the status is written, and the handler turns the failure into kopf's typed retry.
+The status is composed by pure functions (status.py) and written only when it changed.
+
+Two entry points share it: ``reconcile(apply=True)`` (spec created/changed/resumed) and ``reconcile(apply=False)``
+(the periodic observe: trainer retries, readiness, Redis figures). Both read the object fresh under a per-object lock.
+One-shot spec fields (``rollout.pinnedVersion``, ``rollout.paused``, ``rollout.rollbackTo``) are applied by field
+handlers through :meth:`Reconciler.apply_policy_field` and :meth:`Reconciler.apply_rollback`, once per change.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from onlinerl_operator import constants as c
 from onlinerl_operator.kube import Kube, KubeError
-from onlinerl_operator.observe import apply_pin_and_read, manual_rollback, redis_url
+from onlinerl_operator.observe import manual_rollback, read_view, redis_url, write_policy_field
+from onlinerl_operator.redis_auth import ensure_redis_secret
 from onlinerl_operator.render import RenderContext, endpoints, render_all, trainer_job
 from onlinerl_operator.spec import SpecError, parse_spec
 from onlinerl_operator.status import (
     JobStatus,
     Observation,
+    Reason,
     derive_conditions,
     derive_phase,
     epoch_from_iso,
@@ -30,7 +47,7 @@ from onlinerl_operator.status import (
 
 log = logging.getLogger("onlinerl.operator")
 MONITOR_KINDS = ("ServiceMonitor", "PodMonitor")
-# Children removed explicitly on deletion (owner references make the garbage collector do it too).
+# Children removed on deletion (owner references make the garbage collector do it too), found by label.
 CHILD_KINDS = (
     "Ingress",
     "Job",
@@ -41,6 +58,62 @@ CHILD_KINDS = (
     "PersistentVolumeClaim",
     *MONITOR_KINDS,
 )
+# What "the data plane cannot be reached" looks like: anything else is a bug and must surface as one.
+DATA_PLANE_ERRORS = (RedisError, OSError, LookupError)
+
+
+@dataclass
+class StepFailure(Exception):
+    """A reconcile step the Kubernetes API refused: typed reason, a message that says what to do, and the retry
+    (``retry_after`` seconds; None: not until the spec changes)."""
+
+    step: str
+    reason: Reason
+    message: str
+    retry_after: float | None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Seconds before a refused step is tried again, by kind of refusal (tests shorten them)."""
+
+    forbidden: float = 60.0  # RBAC: an admin can grant the verb without touching the spec
+    conflict: float = 1.0  # someone else wrote first: read again and retry at once
+    unavailable: float = 5.0  # 429/5xx/anything else
+
+
+def classify(step: str, exc: KubeError, retry: RetryPolicy = RetryPolicy()) -> StepFailure:
+    """From an API refusal to its typed reason and retry policy."""
+    if exc.status == 403:
+        return StepFailure(
+            step,
+            Reason.API_FORBIDDEN,
+            f"{step}: forbidden ({exc}); grant the operator's ServiceAccount this verb (operator/rbac.yaml, the "
+            f"chart's RBAC); retried every {retry.forbidden:g} s",
+            retry.forbidden,
+        )
+    if exc.status in (400, 422):
+        return StepFailure(
+            step,
+            Reason.API_INVALID,
+            f"{step}: the API refused the object ({exc}); fix the spec field it names (retried on a spec change)",
+            None,
+        )
+    if exc.status == 409:
+        return StepFailure(step, Reason.API_CONFLICT, f"{step}: conflict ({exc}); retrying", retry.conflict)
+    return StepFailure(
+        step,
+        Reason.API_UNAVAILABLE,
+        f"{step}: API unavailable ({exc}); retrying in {retry.unavailable:g} s",
+        retry.unavailable,
+    )
+
+
+class DataPlaneUnavailable(RuntimeError):
+    """The job's Redis cannot be reached: a one-shot spec field waits for it (the handler retries)."""
 
 
 @dataclass
@@ -67,6 +140,11 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
     ns, name = ctx.namespace, desired["metadata"]["name"]
     t = ctx.cfg.trainer
     job = await kube.get("Job", ns, name)
+    if job is not None and (job.get("metadata") or {}).get("deletionTimestamp"):
+        # Deleted in the foreground: the Job stays until its pod is gone. Two trainers must never publish at once.
+        book.state = "pending"
+        book.message = f"waiting for the previous trainer Job {name} and its pod to be gone"
+        return book
     if job is None:
         if book.retry_after is not None and now < book.retry_after:
             book.state = "retrying"
@@ -81,8 +159,9 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
         return book
     annotations = (job.get("metadata") or {}).get("annotations") or {}
     if annotations.get(c.ANNO_SPEC_HASH) != desired["metadata"]["annotations"][c.ANNO_SPEC_HASH]:
-        # A Job's pod template is immutable: replace it. The new trainer resumes from the latest checkpoint.
-        await kube.delete("Job", ns, name)
+        # A Job's pod template is immutable: replace it. The new trainer resumes from the latest checkpoint, and is
+        # created only once the old pod is gone (foreground deletion), so two trainers never publish at once.
+        await kube.delete("Job", ns, name, propagation="Foreground")
         book.state, book.message = "pending", "trainer Job replaced for the new spec"
         return book
     if bool((job.get("spec") or {}).get("suspend")) != t.suspend:
@@ -96,7 +175,7 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
                 f"see `kubectl logs job/{name}`; any spec change retries"
             )
             return book
-        await kube.delete("Job", ns, name)
+        await kube.delete("Job", ns, name, propagation="Foreground")
         delay = t.restart_backoff_seconds * (2**book.restarts)
         book.restarts += 1
         book.retry_after = now + delay
@@ -158,21 +237,50 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-class Reconciler:
-    """Holds the client and settings; one instance per operator process."""
+def _owned_by(obj: dict[str, Any] | None, owner_uid: str) -> bool:
+    owners = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return obj is not None and any(o.get("uid") == owner_uid and o.get("kind") == c.KIND for o in owners)
 
-    def __init__(self, kube: Kube) -> None:
+
+@dataclass
+class Pass:
+    """One reconcile pass: its inputs and what the steps observed so far."""
+
+    ctx: RenderContext
+    old: dict[str, Any]
+    apply: bool
+    now: float
+    book: TrainerBook
+    obs: Observation
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Step = Callable[[Pass], Awaitable[None]]
+
+
+class Reconciler:
+    """Holds the client; one instance per operator process. ``steps()`` is the reconcile, in order."""
+
+    def __init__(self, kube: Kube, retry: RetryPolicy | None = None) -> None:
         self.kube = kube
-        self._monitoring: bool | None = None
+        self.retry = retry or RetryPolicy()
+
+    def steps(self) -> list[tuple[str, Step, bool]]:
+        """``(name, step, mutates)`` in order. After a refused step, the mutating ones are skipped (they would act on
+        a half-applied spec) and the observing ones still run, so the status stays true."""
+        return [
+            ("children", self.reconcile_children, True),
+            ("trainer", self.reconcile_trainer, True),
+            ("components", self.observe_components, False),
+            ("data plane", self.observe_data_plane, False),
+        ]
 
     async def monitoring_api(self) -> bool:
+        """Whether monitoring.coreos.com/v1 is served; a refused discovery call means "no", never a failed pass."""
         try:
             return await self.kube.api_served()
-        except Exception:
+        except (KubeError, OSError):
             return False
-
-    async def _fresh(self, ns: str, name: str) -> dict[str, Any] | None:
-        return await self.kube.get("OnlineRLJob", ns, name)
 
     async def write_status(self, ns: str, name: str, status: dict[str, Any], old: dict[str, Any]) -> None:
         """Merge-patch the status subresource, but only when it changed: every write is a watch event for every
@@ -180,14 +288,29 @@ class Reconciler:
         if _without_nulls(status) != old:
             await self.kube.patch("OnlineRLJob", ns, name, {"status": status}, subresource="status")
 
+    async def _context(self, ns: str, name: str) -> tuple[dict[str, Any], RenderContext] | None:
+        """The object read fresh and its render context; None when it is gone, being deleted, or invalid."""
+        body = await self.kube.get("OnlineRLJob", ns, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        try:
+            cfg = parse_spec(name, body.get("spec"))
+        except SpecError:
+            return None
+        meta = body.get("metadata") or {}
+        ctx = RenderContext(
+            name=name, namespace=ns, uid=meta.get("uid", ""), cfg=cfg, monitoring_api=await self.monitoring_api()
+        )
+        return body, ctx
+
     async def reconcile(self, ns: str, name: str, apply: bool) -> dict[str, Any] | None:
-        """Apply (if ``apply``) and observe; returns the status written (None if the object is gone)."""
-        body = await self._fresh(ns, name)
+        """Run the steps in order, compose the status, write it if it changed; returns it (None if the object is
+        gone). Raises :class:`StepFailure` after writing the status when a step was refused."""
+        body = await self.kube.get("OnlineRLJob", ns, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return None
         meta, old = body.get("metadata") or {}, body.get("status") or {}
         generation = meta.get("generation")
-        now = time.time()
         if not apply and (old.get("observedGeneration") is None or old.get("observedGeneration") != generation):
             return None  # the spec handler has not applied this generation yet: nothing consistent to observe
         try:
@@ -196,113 +319,50 @@ class Reconciler:
             if not apply:
                 return None  # already reported as Invalid by the spec handler
             obs = Observation(generation=generation, invalid=str(exc))
-            status = compose_status(
-                old, obs, generation, {"trainerRestarts": int(old.get("trainerRestarts") or 0)}, now_iso()
-            )
+            extra = {"trainerRestarts": int(old.get("trainerRestarts") or 0)}
+            status = compose_status(old, obs, generation, extra, now_iso())
             await self.write_status(ns, name, status, old)
             return status
         ctx = RenderContext(
             name=name, namespace=ns, uid=meta.get("uid", ""), cfg=cfg, monitoring_api=await self.monitoring_api()
         )
         book = _book_from_status(old)
-        spec_changed = generation is not None and old.get("observedGeneration") not in (None, generation)
-        if apply and spec_changed:
+        if apply and generation is not None and old.get("observedGeneration") not in (None, generation):
             book = TrainerBook()  # a new spec earns a fresh retry budget
-        problems: list[str] = []
-        if apply:
-            problems += await self.apply_children(ctx)
-        book = await sync_trainer(self.kube, ctx, book, now)
-        obs = Observation(generation=generation, trainer_state=book.state, trainer_message=book.message)
-        obs.serving_ready, obs.serving_message = await deployment_ready(self.kube, ns, ctx.child("serving"))
-        obs.feedback_ready, obs.feedback_message = await deployment_ready(self.kube, ns, ctx.child("feedback"))
-        extra: dict[str, Any] = {
-            "trainerRestarts": book.restarts,
-            "endpoints": endpoints(ctx),
-            "trainerRetryAfter": iso_from_epoch(book.retry_after) if book.retry_after else None,
-        }
-        try:
-            view = await apply_pin_and_read(
-                await redis_url(self.kube, ctx),
-                name,
-                cfg.rollout.pinned_version,
-                paused=cfg.rollout.paused,
-                decisions_after=old.get("lastDecisionId"),
-            )
-            extra["appliedRollbackTo"] = old.get("appliedRollbackTo")
-            target = cfg.rollout.rollback_to
-            if target is not None and old.get("appliedRollbackTo") != target:
-                problem = await manual_rollback(await redis_url(self.kube, ctx), name, target)
-                if problem:
-                    problems.append(problem)
-                else:
-                    extra["appliedRollbackTo"] = target
-                    log.info("%s/%s: rolled back to v%s (spec.rollout.rollbackTo)", ns, name, target)
-                    view = await apply_pin_and_read(
-                        await redis_url(self.kube, ctx),
-                        name,
-                        cfg.rollout.pinned_version,
-                        decisions_after=old.get("lastDecisionId"),
-                    )
-            await self.report_decisions(ctx, view.decisions)
-            if view.decisions:
-                last_id, last = view.decisions[-1]
-                extra["lastDecisionId"] = last_id
-                extra["lastDecision"] = f"{last.decision} v{last.version} by {last.actor}: {last.reason}"[:1024]
-            else:
-                extra["lastDecisionId"], extra["lastDecision"] = old.get("lastDecisionId"), old.get("lastDecision")
-            obs.last_decision = extra["lastDecision"] or ""
-            obs.last_decision_kind = obs.last_decision.split(" ", 1)[0]
-            extra["redisReachable"] = True
-            policy = view.policy
-            obs.stable_version = policy.stable if policy else None
-            obs.candidate_version = policy.candidate if policy else None
-            extra.update(
-                {
-                    "stableVersion": obs.stable_version,
-                    "candidateVersion": obs.candidate_version,
-                    "pinnedVersion": policy.pinned if policy else None,
-                    "canaryShare": policy.canary_share if policy else None,
-                    "acceptRate": view.accept_rate,
-                    "shown": view.shown,
-                    "samplesTrained": view.samples_trained,
-                    "trainerStep": view.trainer_step,
-                    "lastCheckpointTime": iso_from_epoch(view.last_checkpoint_at) if view.last_checkpoint_at else None,
-                }
-            )
-            if view.pin_changed:
-                log.info("%s/%s: policy pinned to %s", ns, name, cfg.rollout.pinned_version)
-        except Exception as exc:
-            extra["redisReachable"] = False
-            for key in ("stableVersion", "candidateVersion", "pinnedVersion", "acceptRate", "samplesTrained"):
-                if old.get(key) is not None:
-                    extra[key] = old[key]  # keep the last known figures
-            problems.append(f"Redis not reachable ({type(exc).__name__}: {exc}); rollout.pinnedVersion not applied yet")
-        if ctx.cfg.monitoring.service_monitor == "on" and not ctx.monitoring_api:
-            problems.append(
-                "monitoring.serviceMonitor=on but monitoring.coreos.com/v1 is not served "
-                "(install the Prometheus operator or use auto)"
-            )
-        obs.problems = problems
-        observed = generation if apply else old.get("observedGeneration")
-        status = compose_status(old, obs, observed, extra, now_iso())
+        p = Pass(ctx=ctx, old=old, apply=apply, now=time.time(), book=book, obs=Observation(generation=generation))
+        failure: StepFailure | None = None
+        for step_name, step, mutates in self.steps():
+            if failure is not None and mutates:
+                continue
+            try:
+                await step(p)
+            except KubeError as exc:
+                failure = failure or classify(step_name, exc, self.retry)
+                p.obs.failure_reason, p.obs.failure_message = failure.reason, failure.message
+        if failure is not None and p.obs.trainer_state == "absent":
+            p.obs.trainer_state, p.obs.trainer_message = "pending", f"not reconciled: {failure.step} step refused"
+        observed = generation if apply and failure is None else old.get("observedGeneration")
+        status = compose_status(old, p.obs, observed, {**carried_figures(old), **p.extra}, now_iso())
         await self.write_status(ns, name, status, old)
+        if failure is not None:
+            raise failure
         return status
 
-    async def apply_children(self, ctx: RenderContext) -> list[str]:
-        """Create-or-patch every child except the trainer Job (sync_trainer owns it). Returns problems found."""
-        problems = []
+    # --- the steps ------------------------------------------------------------------------------------------------
+    async def reconcile_children(self, p: Pass) -> None:
+        """Server-side apply every child except the trainer Job (the next step owns it); delete stale ones."""
+        if not p.apply:
+            return
+        ctx = p.ctx
+        redis_problem = await ensure_redis_secret(self.kube, ctx)  # the password Secret, before the pods reading it
+        if redis_problem:
+            p.obs.problems.append(redis_problem)
         for manifest in render_all(ctx):
             kind = manifest["kind"]
             if kind == "Job" or (kind in MONITOR_KINDS and not ctx.monitoring_api):
                 continue
-            try:
-                verb = await self.kube.apply(manifest)
-                log.debug("%s %s/%s", verb, kind, manifest["metadata"]["name"])
-            except KubeError as exc:
-                if exc.status in (400, 403, 422):
-                    problems.append(f"cannot apply {kind} {manifest['metadata']['name']}: {exc}")
-                else:
-                    raise
+            verb = await self.kube.apply(manifest)
+            log.debug("%s %s/%s", verb, kind, manifest["metadata"]["name"])
         # Children an earlier spec wanted and this one does not (only ones we own: never a user's claim).
         stale: list[tuple[str, str]] = []
         if not ctx.monitors_enabled and ctx.monitoring_api:
@@ -310,17 +370,115 @@ class Reconciler:
         if ctx.cfg.storage.existing_claim:
             stale.append(("PersistentVolumeClaim", ctx.child("checkpoints")))
         if not ctx.in_cluster_redis:
-            stale += [("StatefulSet", ctx.child("redis")), ("Service", ctx.child("redis"))]
+            stale += [
+                ("StatefulSet", ctx.child("redis")),
+                ("Service", ctx.child("redis")),
+                ("NetworkPolicy", ctx.child("redis")),
+            ]
         if not ctx.cfg.ingress.enabled:
             stale.append(("Ingress", ctx.name))
         if ctx.cfg.rollout.strategy != "canary":
-            stale += [("Deployment", ctx.child("rollout")), ("Service", ctx.child("rollout"))]
+            stale += [
+                ("Deployment", ctx.child("rollout")),
+                ("Service", ctx.child("rollout")),
+                ("NetworkPolicy", ctx.child("rollout")),
+            ]
         for kind, child in stale:
             await self.delete_owned(kind, ctx.namespace, child, ctx.uid)
-        return problems
+        if ctx.cfg.monitoring.service_monitor == "on" and not ctx.monitoring_api:
+            p.obs.problems.append(
+                "monitoring.serviceMonitor=on but monitoring.coreos.com/v1 is not served "
+                "(install the Prometheus operator or use auto)"
+            )
 
+    async def reconcile_trainer(self, p: Pass) -> None:
+        p.book = await sync_trainer(self.kube, p.ctx, p.book, p.now)
+        p.obs.trainer_state, p.obs.trainer_message = p.book.state, p.book.message
+        p.extra["trainerRestarts"] = p.book.restarts
+        p.extra["trainerRetryAfter"] = iso_from_epoch(p.book.retry_after) if p.book.retry_after else None
+
+    async def observe_components(self, p: Pass) -> None:
+        ns = p.ctx.namespace
+        p.obs.serving_ready, p.obs.serving_message = await deployment_ready(self.kube, ns, p.ctx.child("serving"))
+        p.obs.feedback_ready, p.obs.feedback_message = await deployment_ready(self.kube, ns, p.ctx.child("feedback"))
+        p.extra["endpoints"] = endpoints(p.ctx)
+
+    async def observe_data_plane(self, p: Pass) -> None:
+        """Figures for status and Events for new rollout decisions. An unreachable Redis degrades the job (the next
+        observe tick looks again); the Secret holding an external Redis URL is read through the API (may refuse)."""
+        ctx, old = p.ctx, p.old
+        try:
+            url = await redis_url(self.kube, ctx)  # LookupError: its Secret is missing (a KubeError still propagates)
+            view = await read_view(url, ctx.name, decisions_after=old.get("lastDecisionId"))
+        except DATA_PLANE_ERRORS as exc:
+            p.extra["redisReachable"] = False
+            p.obs.problems.append(f"Redis not reachable ({type(exc).__name__}: {exc})")
+            return
+        await self.report_decisions(ctx, view.decisions)
+        if view.decisions:
+            last_id, last = view.decisions[-1]
+            p.extra["lastDecisionId"] = last_id
+            p.extra["lastDecision"] = f"{last.decision} v{last.version} by {last.actor}: {last.reason}"[:1024]
+        p.obs.last_decision = p.extra.get("lastDecision") or old.get("lastDecision") or ""
+        p.obs.last_decision_kind = p.obs.last_decision.split(" ", 1)[0]
+        policy = view.policy
+        p.obs.stable_version = policy.stable if policy else None
+        p.obs.candidate_version = policy.candidate if policy else None
+        p.extra.update(
+            {
+                "redisReachable": True,
+                "stableVersion": p.obs.stable_version,
+                "candidateVersion": p.obs.candidate_version,
+                "pinnedVersion": policy.pinned if policy else None,
+                "canaryShare": policy.canary_share if policy else None,
+                "acceptRate": view.accept_rate,
+                "shown": view.shown,
+                "samplesTrained": view.samples_trained,
+                "trainerStep": view.trainer_step,
+                "lastCheckpointTime": iso_from_epoch(view.last_checkpoint_at) if view.last_checkpoint_at else None,
+            }
+        )
+
+    # --- one-shot spec fields (kopf field handlers) -----------------------------------------------------------------
+    async def _data_plane_url(self, ns: str, name: str) -> str | None:
+        found = await self._context(ns, name)
+        return None if found is None else await redis_url(self.kube, found[1])
+
+    async def apply_policy_field(self, ns: str, name: str, field_name: str, value: str) -> bool:
+        """Write ``pinned``/``paused`` of the policy table once (a spec field changed). Returns whether it changed;
+        raises :class:`DataPlaneUnavailable` when Redis cannot be reached (the handler retries)."""
+        url = await self._data_plane_url(ns, name)
+        if url is None:
+            return False
+        try:
+            changed = await write_policy_field(url, name, field_name, value)
+        except DATA_PLANE_ERRORS as exc:
+            raise DataPlaneUnavailable(f"Redis not reachable ({type(exc).__name__}: {exc})") from exc
+        if changed:
+            log.info("%s/%s: policy %s=%r (spec.rollout)", ns, name, field_name, value)
+        return changed
+
+    async def apply_rollback(self, ns: str, name: str, version: int) -> str:
+        """spec.rollout.rollbackTo, once per value: the CLI's rollback. Returns a problem ("" when done) and records
+        ``appliedRollbackTo`` in status."""
+        url = await self._data_plane_url(ns, name)
+        if url is None:
+            return ""
+        try:
+            problem = await manual_rollback(url, name, version)
+        except DATA_PLANE_ERRORS as exc:
+            raise DataPlaneUnavailable(f"Redis not reachable ({type(exc).__name__}: {exc})") from exc
+        if not problem:
+            log.info("%s/%s: rolled back to v%s (spec.rollout.rollbackTo)", ns, name, version)
+            await self.kube.patch("OnlineRLJob", ns, name, {"status": {"appliedRollbackTo": version}}, "status")
+        return problem
+
+    # --- Events and deletion ------------------------------------------------------------------------------------------
     async def report_decisions(self, ctx: RenderContext, decisions: list[tuple[str, Any]]) -> None:
-        """One Kubernetes Event per rollout decision (gate, promote, rollback, pin...), on the OnlineRLJob."""
+        """One Kubernetes Event per rollout decision (gate, promote, rollback, pin...), on the OnlineRLJob.
+
+        Named after the decision's stream id, not kopf's generated names: an operator restart that reports the same
+        decision again gets 409 instead of a duplicate Event."""
         for entry_id, d in decisions:
             warning = d.decision in ("rollback", "gate_fail")
             when = iso_from_epoch(d.at)
@@ -350,31 +508,44 @@ class Reconciler:
 
     async def delete_owned(self, kind: str, ns: str, name: str, owner_uid: str) -> bool:
         """Delete ``kind/name`` only if its owner reference points at ``owner_uid``."""
-        obj = await self.kube.get(kind, ns, name)
-        owners = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
-        if obj is None or not any(o.get("uid") == owner_uid and o.get("kind") == c.KIND for o in owners):
+        if not _owned_by(await self.kube.get(kind, ns, name), owner_uid):
             return False
         return await self.kube.delete(kind, ns, name)
 
     async def cleanup(self, ns: str, name: str, uid: str) -> list[str]:
-        """Delete every child of a deleted job that it owns. Redis data and the policy table stay."""
+        """Delete every child of a deleted job that it owns, found by its labels (so a child kind or name added later
+        is never forgotten). Redis data and the policy table stay."""
         deleted = []
-        names = {
-            "Ingress": [name],
-            "Job": [f"{name}-trainer"],
-            "Deployment": [f"{name}-serving", f"{name}-feedback", f"{name}-rollout"],
-            "Service": [f"{name}-serving", f"{name}-feedback", f"{name}-trainer", f"{name}-redis", f"{name}-rollout"],
-            "StatefulSet": [f"{name}-redis"],
-            "ConfigMap": [f"{name}-config"],
-            "PersistentVolumeClaim": [f"{name}-checkpoints"],
-            "ServiceMonitor": [name],
-            "PodMonitor": [f"{name}-reloader"],
-        }
         monitoring = await self.monitoring_api()
+        wanted = {c.LABEL_JOB: name, c.LABEL_MANAGED_BY: c.MANAGER}
         for kind in CHILD_KINDS:
             if kind in MONITOR_KINDS and not monitoring:
                 continue
-            for child in names[kind]:
-                if await self.delete_owned(kind, ns, child, uid):
+            for obj in await self.kube.list_labelled(kind, ns, wanted):
+                child = obj["metadata"]["name"]
+                if _owned_by(obj, uid) and await self.kube.delete(kind, ns, child, propagation="Foreground"):
                     deleted.append(f"{kind}/{child}")
         return deleted
+
+
+def carried_figures(old: dict[str, Any]) -> dict[str, Any]:
+    """Status fields a pass keeps from the last one unless a step refreshes them (the last known figures while Redis
+    is unreachable, the rollback already applied, the retry bookkeeping)."""
+    keys = (
+        "trainerRestarts",
+        "trainerRetryAfter",
+        "endpoints",
+        "appliedRollbackTo",
+        "lastDecisionId",
+        "lastDecision",
+        "stableVersion",
+        "candidateVersion",
+        "pinnedVersion",
+        "canaryShare",
+        "acceptRate",
+        "shown",
+        "samplesTrained",
+        "trainerStep",
+        "lastCheckpointTime",
+    )
+    return {k: old[k] for k in keys if old.get(k) is not None}

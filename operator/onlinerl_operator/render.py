@@ -2,7 +2,12 @@
 
 No I/O and no clock, so the same spec always renders the same objects; the reconciler only creates or patches them.
 Ports, paths and entry points follow docs/architecture.md; each pod reads the component config from the ConfigMap via
-``$ONLINERL_CONFIG``. vLLM binds 127.0.0.1:8001 inside the serving pod: only the gateway port leaves the pod.
+``$ONLINERL_CONFIG``. vLLM binds 127.0.0.1:8001 inside the serving pod: only the gateway port leaves the pod, and a
+NetworkPolicy per component admits only its declared ports (Redis: only this job's pods and the operator).
+
+The in-cluster Redis requires a password from a Secret (``redis.passwordSecret``, or ``<job>-redis-auth`` that the
+reconciler creates once with a generated password: rendering stays pure, so the password is never rendered here).
+Pods get it as ``$ONLINERL_REDIS_PASSWORD`` and their Redis URL as ``redis://:$(ONLINERL_REDIS_PASSWORD)@...``.
 """
 
 from __future__ import annotations
@@ -12,12 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from onlinerl_operator import constants as c
 
 from onlinerl.config import OnlineRLConfig, ResourcesConfig
 from onlinerl.model import SMOLLM2_GGUF_SHA256
+from onlinerl_operator import constants as c
 
 Manifest = dict[str, Any]
+REDIS_PASSWORD_KEY = "password"
+REDIS_PASSWORD_ENV = "ONLINERL_REDIS_PASSWORD"
+# Pods allowed to reach a job's Redis: its own components (the operator too, see redis_network_policy).
+REDIS_CLIENTS = ("serving", "feedback", "trainer", "rollout")
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,14 @@ class RenderContext:
         return not (self.cfg.redis.url or self.cfg.redis.url_secret)
 
     @property
+    def redis_password_secret(self) -> str:
+        """The Secret (key :data:`REDIS_PASSWORD_KEY`) with the in-cluster Redis password."""
+        return self.cfg.redis.password_secret or self.child("redis-auth")
+
+    @property
     def redis_url(self) -> str:
-        """The URL written into the config; empty when it comes from a Secret (env overrides it in the pod)."""
+        """The URL written into the config; empty when it comes from a Secret (env overrides it in the pod). For the
+        in-cluster Redis, the URL without its password (the pods' env adds it; the ConfigMap holds no secret)."""
         if self.cfg.redis.url:
             return self.cfg.redis.url
         if self.cfg.redis.url_secret:
@@ -180,7 +195,21 @@ def onlinerl_env(ctx: RenderContext) -> list[dict[str, Any]]:
                 "valueFrom": {"secretKeyRef": {"name": ctx.cfg.redis.url_secret, "key": ctx.cfg.redis.url_secret_key}},
             }
         )
+    elif ctx.in_cluster_redis:
+        env += [
+            {
+                "name": REDIS_PASSWORD_ENV,
+                "valueFrom": {"secretKeyRef": {"name": ctx.redis_password_secret, "key": REDIS_PASSWORD_KEY}},
+            },
+            # Kubernetes expands $(VAR) from the variable above: the password never sits in the ConfigMap.
+            {"name": "ONLINERL__REDIS__URL", "value": redis_url_with_password(ctx, f"$({REDIS_PASSWORD_ENV})")},
+        ]
     return env
+
+
+def redis_url_with_password(ctx: RenderContext, password: str) -> str:
+    """The in-cluster Redis URL carrying ``password`` (URL-safe characters: it is not escaped)."""
+    return f"redis://:{password}@{ctx.child('redis')}.{ctx.namespace}.svc:{c.REDIS_PORT}/0"
 
 
 HARDENED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -273,7 +302,9 @@ def vllm_args(ctx: RenderContext) -> list[str]:
         ]
     if cfg.serving.gpus > 1:
         args += ["--tensor-parallel-size", str(cfg.serving.gpus)]
-    return args + list(cfg.serving.vllm_args)
+    # Behaviour log-probs under the sampled distribution (after temperature), last so vllmArgs cannot undo it:
+    # the same flags as onlinerl_serving.engine.BEHAVIOUR_LOGPROBS_ARGS (local stack and tests).
+    return args + list(cfg.serving.vllm_args) + ["--logprobs-mode", "processed_logprobs"]
 
 
 def _engine_health_probe(period: int, failures: int) -> dict[str, Any]:
@@ -439,11 +470,19 @@ def feedback_deployment(ctx: RenderContext) -> Manifest:
         "resources": resources(
             cfg.feedback.resources, 0, None if cfg.feedback.resources.requests else {"cpu": "250m", "memory": "256Mi"}
         ),
-        "volumeMounts": _config_mounts(ctx),
+        "volumeMounts": [*_config_mounts(ctx), *model_mounts(ctx)],
         "readinessProbe": http_probe("/readyz", "http", period=5),
         "livenessProbe": http_probe("/healthz", "http", period=10, initial=5),
         "securityContext": HARDENED,
     }
+    # The join reads the model's tokenizer (onlinerl/tokens.py): from model.image only config and tokenizer files.
+    init = model_init_containers(ctx)
+    if cfg.model.image:
+        init[0]["args"] = [f'cp "{cfg.model.path}"/config.json "{cfg.model.path}"/tokenizer*.json {c.MODEL_COPY_DIR}/']
+    pod: dict[str, Any] = {"containers": [container], "volumes": [config_volume(ctx), *_keys_volumes(ctx)]}
+    pod["volumes"] += model_volumes(ctx)
+    if init:
+        pod["initContainers"] = init
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -453,7 +492,7 @@ def feedback_deployment(ctx: RenderContext) -> Manifest:
             "selector": {"matchLabels": selector(ctx, "feedback")},
             "template": {
                 "metadata": {"labels": labels(ctx, "feedback"), "annotations": pod_annotations(ctx)},
-                "spec": {"containers": [container], "volumes": [config_volume(ctx), *_keys_volumes(ctx)]},
+                "spec": pod,
             },
         },
     }
@@ -689,19 +728,45 @@ def pod_monitor(ctx: RenderContext) -> Manifest:
     }
 
 
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(q: str) -> int:
+    """A Kubernetes memory/storage quantity (``1Gi``, ``512Mi``, ``2G``, ``1048576``) in bytes."""
+    q = str(q).strip()
+    for suffix, factor in _QUANTITY.items():
+        if q.endswith(suffix):
+            return int(float(q[: -len(suffix)]) * factor)
+    return int(float(q))
+
+
+def redis_maxmemory(ctx: RenderContext) -> int:
+    """``maxmemory`` in bytes: 75 % of the container's memory (limit, else request, else the 1Gi default request),
+    leaving room for the AOF rewrite's fork and buffers; and at most 40 % of the volume, since the AOF plus its rewrite
+    need about twice the data set on disk. Policy noeviction: at the limit writes fail loudly, samples never vanish."""
+    r = ctx.cfg.redis.resources
+    memory = r.limits.get("memory") or r.requests.get("memory") or "1Gi"
+    return min(int(quantity_bytes(memory) * 0.75), int(quantity_bytes(ctx.cfg.redis.storage_size) * 0.4))
+
+
 def redis_statefulset(ctx: RenderContext) -> Manifest:
-    """In-cluster Redis with the durability docs/architecture.md requires (AOF, fsync always, noeviction)."""
+    """In-cluster Redis with the durability docs/architecture.md requires (AOF, fsync always, noeviction), a
+    password from the job's Secret and a ``maxmemory`` sized from its resources and volume."""
     cfg = ctx.cfg
     server = (
         "exec $(command -v valkey-server || command -v redis-server) --port 6379 --dir /data "
-        "--appendonly yes --appendfsync always --maxmemory-policy noeviction --protected-mode no"
+        "--appendonly yes --appendfsync always --maxmemory-policy noeviction "
+        f'--maxmemory {redis_maxmemory(ctx)} --requirepass "$REDIS_PASSWORD"'
     )
+    # REDISCLI_AUTH: the CLI authenticates without the password on its command line.
     ping = ["sh", "-c", "$(command -v valkey-cli || command -v redis-cli) ping | grep -q PONG"]
+    secret = {"secretKeyRef": {"name": ctx.redis_password_secret, "key": REDIS_PASSWORD_KEY}}
     container = {
         "name": "redis",
         "image": cfg.images.redis,
         "imagePullPolicy": cfg.images.pull_policy,
         "command": ["sh", "-c", server],
+        "env": [{"name": "REDIS_PASSWORD", "valueFrom": secret}, {"name": "REDISCLI_AUTH", "valueFrom": secret}],
         "ports": [{"name": "redis", "containerPort": c.REDIS_PORT, "protocol": "TCP"}],
         "resources": resources(
             cfg.redis.resources, 0, None if cfg.redis.resources.requests else {"cpu": "250m", "memory": "1Gi"}
@@ -747,6 +812,65 @@ def redis_service(ctx: RenderContext) -> Manifest:
     }
 
 
+def redis_password_secret(ctx: RenderContext, password: str) -> Manifest | None:
+    """The job's generated Redis password Secret (None when the user names one, or Redis is not in-cluster). The
+    reconciler creates it once (never applies it again: that would change the password under running pods)."""
+    if not ctx.in_cluster_redis or ctx.cfg.redis.password_secret:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(ctx, ctx.redis_password_secret, "redis"),
+        "type": "Opaque",
+        "stringData": {REDIS_PASSWORD_KEY: password},
+    }
+
+
+def network_policy(ctx: RenderContext, component: str, ports: list[int], sources: list[dict] | None) -> Manifest:
+    """Ingress to ``component``'s pods only on ``ports``; from ``sources`` (None: from anywhere)."""
+    rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": p} for p in ports]}
+    if sources is not None:
+        rule["from"] = sources
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(ctx, ctx.child(component), component),
+        "spec": {
+            "podSelector": {"matchLabels": selector(ctx, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": [rule],
+        },
+    }
+
+
+def network_policies(ctx: RenderContext) -> list[Manifest]:
+    """Every pod admits only its declared ports. The serving pod: the gateway and the reloader's metrics, never
+    vLLM's port (vLLM binds 127.0.0.1 as well). Redis: only this job's components and the operator (any namespace)."""
+    cfg = ctx.cfg
+    out = [
+        network_policy(ctx, "serving", [cfg.serving.port, c.RELOADER_PORT], None),
+        network_policy(ctx, "feedback", [cfg.feedback.port], None),
+        network_policy(ctx, "trainer", [cfg.trainer.metrics_port], None),
+    ]
+    if cfg.rollout.strategy == "canary":
+        out.append(network_policy(ctx, "rollout", [c.ROLLOUT_PORT], None))
+    if ctx.in_cluster_redis:
+        ours = {
+            "podSelector": {
+                "matchLabels": {c.LABEL_JOB: ctx.name},
+                "matchExpressions": [{"key": c.LABEL_COMPONENT, "operator": "In", "values": list(REDIS_CLIENTS)}],
+            }
+        }
+        operator = {
+            "namespaceSelector": {},
+            "podSelector": {
+                "matchLabels": {"app.kubernetes.io/name": "onlinerl", "app.kubernetes.io/component": "operator"}
+            },
+        }
+        out.append(network_policy(ctx, "redis", [c.REDIS_PORT], [ours, operator]))
+    return out
+
+
 def render_all(ctx: RenderContext) -> list[Manifest]:
     """Every child in apply order (config and storage before the pods that mount them). The trainer Job included."""
     out: list[Manifest | None] = [config_map(ctx), checkpoint_pvc(ctx)]
@@ -762,6 +886,7 @@ def render_all(ctx: RenderContext) -> list[Manifest]:
         rollout_deployment(ctx),
         rollout_service(ctx),
         ingress(ctx),
+        *network_policies(ctx),
     ]
     if ctx.monitors_enabled:
         out += [service_monitor(ctx), pod_monitor(ctx)]

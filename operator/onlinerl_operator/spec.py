@@ -55,9 +55,6 @@ def semantic_problems(cfg: OnlineRLConfig) -> list[str]:
         problems.append("ingress.tlsSecret needs ingress.host (the certificate's name)")
     if not cfg.auth.api_keys_secret and not cfg.auth.allow_anonymous:
         problems.append("auth.apiKeysSecret must name a Secret with key keys.yaml (or set auth.allowAnonymous: true)")
-    pinned = cfg.rollout.pinned_version
-    if pinned is not None and pinned > 0 and cfg.trainer.weights == "full":
-        problems.append("rollout.pinnedVersion > 0 needs LoRA weights: full-weight serving holds one version only")
     return problems
 
 

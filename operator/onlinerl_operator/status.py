@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +15,35 @@ ConditionType = Literal["Ready", "ServingReady", "FeedbackReady", "TrainerRunnin
 CONDITION_TYPES: tuple[str, ...] = ConditionType.__args__  # type: ignore[attr-defined]
 Phase = Literal["Pending", "Running", "Suspended", "Degraded", "Failed", "Invalid"]
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+class Reason(StrEnum):
+    """Every condition reason the operator writes: typed, so a reason is never a typo and tools can match on them."""
+
+    INVALID_SPEC = "InvalidSpec"
+    ALL_COMPONENTS_READY = "AllComponentsReady"
+    COMPONENTS_NOT_READY = "ComponentsNotReady"
+    READY = "Ready"
+    NOT_READY = "NotReady"
+    RUNNING = "Running"
+    STARTING = "Starting"
+    SUSPENDED = "Suspended"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    RESTARTING = "Restarting"
+    COMPLETED = "Completed"
+    NOT_CREATED = "NotCreated"
+    PROMOTED = "Promoted"
+    ROLLED_BACK = "RolledBack"
+    GATE_FAILED = "GateFailed"
+    BASE_MODEL = "BaseModel"
+    UNKNOWN = "Unknown"
+    PROBLEMS = "Problems"
+    HEALTHY = "Healthy"
+    # The Kubernetes API refused a reconcile step (Degraded): the step and what to do are in the message.
+    API_FORBIDDEN = "ApiForbidden"  # 403: RBAC; retried slowly, an admin can grant it without a spec change
+    API_INVALID = "ApiInvalid"  # 400/422: the rendered object is refused; retried only on a spec change
+    API_CONFLICT = "ApiConflict"  # 409: someone else changed it; retried at once
+    API_UNAVAILABLE = "ApiUnavailable"  # 429/5xx and anything else: retried with a delay
 
 
 class _Status(BaseModel):
@@ -95,11 +125,13 @@ class Observation:
     last_decision: str = ""  # "rollback v3: ..." — the newest gate/promote/rollback, shown on PolicyPromoted
     last_decision_kind: str = ""
     problems: list[str] = field(default_factory=list)  # degraded but running: Redis down, monitoring API missing
+    failure_reason: Reason | None = None  # the reconcile step the API refused, if any (typed: see Reason)
+    failure_message: str = ""
 
 
-def _cond(ctype: str, ok: bool | None, reason: str, message: str) -> dict[str, str]:
+def _cond(ctype: str, ok: bool | None, reason: Reason, message: str) -> dict[str, str]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
-    return {"type": ctype, "status": status, "reason": reason, "message": message}
+    return {"type": ctype, "status": status, "reason": str(reason), "message": message}
 
 
 def derive_conditions(obs: Observation) -> list[dict[str, str]]:
@@ -107,25 +139,25 @@ def derive_conditions(obs: Observation) -> list[dict[str, str]]:
     if obs.invalid:
         msg = f"invalid spec: {obs.invalid}"
         return [
-            _cond("Ready", False, "InvalidSpec", msg),
-            _cond("ServingReady", None, "InvalidSpec", msg),
-            _cond("FeedbackReady", None, "InvalidSpec", msg),
-            _cond("TrainerRunning", None, "InvalidSpec", msg),
-            _cond("PolicyPromoted", None, "InvalidSpec", msg),
-            _cond("Degraded", True, "InvalidSpec", msg),
+            _cond("Ready", False, Reason.INVALID_SPEC, msg),
+            _cond("ServingReady", None, Reason.INVALID_SPEC, msg),
+            _cond("FeedbackReady", None, Reason.INVALID_SPEC, msg),
+            _cond("TrainerRunning", None, Reason.INVALID_SPEC, msg),
+            _cond("PolicyPromoted", None, Reason.INVALID_SPEC, msg),
+            _cond("Degraded", True, Reason.INVALID_SPEC, msg),
         ]
     trainer_ok = obs.trainer_state == "running"
     trainer_reason = {
-        "running": "Running",
-        "pending": "Starting",
-        "suspended": "Suspended",
-        "failed": "BackoffLimitExceeded",
-        "retrying": "Restarting",
-        "completed": "Completed",
-        "absent": "NotCreated",
+        "running": Reason.RUNNING,
+        "pending": Reason.STARTING,
+        "suspended": Reason.SUSPENDED,
+        "failed": Reason.BACKOFF_LIMIT_EXCEEDED,
+        "retrying": Reason.RESTARTING,
+        "completed": Reason.COMPLETED,
+        "absent": Reason.NOT_CREATED,
     }[obs.trainer_state]
     promoted = obs.stable_version is not None and obs.stable_version > 0
-    decision_reason = {"promote": "Promoted", "rollback": "RolledBack", "gate_fail": "GateFailed"}.get(
+    decision_reason = {"promote": Reason.PROMOTED, "rollback": Reason.ROLLED_BACK, "gate_fail": Reason.GATE_FAILED}.get(
         obs.last_decision_kind, ""
     )
     promoted_msg = (
@@ -136,6 +168,8 @@ def derive_conditions(obs: Observation) -> list[dict[str, str]]:
         else "policy table not readable yet"
     )
     degraded_msgs = list(obs.problems)
+    if obs.failure_reason is not None:
+        degraded_msgs.insert(0, obs.failure_message)
     if obs.trainer_state in ("failed", "retrying"):
         degraded_msgs.insert(0, obs.trainer_message)
     trainer_fine = trainer_ok or obs.trainer_state == "suspended"
@@ -153,22 +187,33 @@ def derive_conditions(obs: Observation) -> list[dict[str, str]]:
         _cond(
             "Ready",
             ready,
-            "AllComponentsReady" if ready else "ComponentsNotReady",
+            Reason.ALL_COMPONENTS_READY if ready else Reason.COMPONENTS_NOT_READY,
             "serving, feedback and trainer are up" if ready else "; ".join(not_ready + degraded_msgs),
         ),
-        _cond("ServingReady", obs.serving_ready, "Ready" if obs.serving_ready else "NotReady", obs.serving_message),
-        _cond("FeedbackReady", obs.feedback_ready, "Ready" if obs.feedback_ready else "NotReady", obs.feedback_message),
+        _cond(
+            "ServingReady",
+            obs.serving_ready,
+            Reason.READY if obs.serving_ready else Reason.NOT_READY,
+            obs.serving_message,
+        ),
+        _cond(
+            "FeedbackReady",
+            obs.feedback_ready,
+            Reason.READY if obs.feedback_ready else Reason.NOT_READY,
+            obs.feedback_message,
+        ),
         _cond("TrainerRunning", trainer_ok, trainer_reason, obs.trainer_message),
         _cond(
             "PolicyPromoted",
             promoted if obs.stable_version is not None else None,
-            decision_reason or ("Promoted" if promoted else "BaseModel" if obs.stable_version == 0 else "Unknown"),
+            decision_reason
+            or (Reason.PROMOTED if promoted else Reason.BASE_MODEL if obs.stable_version == 0 else Reason.UNKNOWN),
             f"{promoted_msg}; last decision: {obs.last_decision}" if obs.last_decision else promoted_msg,
         ),
         _cond(
             "Degraded",
             bool(degraded_msgs),
-            "Problems" if degraded_msgs else "Healthy",
+            obs.failure_reason or (Reason.PROBLEMS if degraded_msgs else Reason.HEALTHY),
             "; ".join(degraded_msgs) or "no problems seen",
         ),
     ]
@@ -179,7 +224,7 @@ def derive_phase(obs: Observation) -> str:
         return "Invalid"
     if obs.trainer_state == "failed":
         return "Failed"
-    if obs.problems or obs.trainer_state == "retrying":
+    if obs.problems or obs.failure_reason is not None or obs.trainer_state == "retrying":
         return "Degraded"
     if not (obs.serving_ready and obs.feedback_ready):
         return "Pending"

@@ -50,6 +50,7 @@ def test_chart_rbac_covers_every_kind_the_operator_renders() -> None:
         "StatefulSet": "statefulsets",
         "Job": "jobs",
         "Ingress": "ingresses",
+        "NetworkPolicy": "networkpolicies",
         "ServiceMonitor": "servicemonitors",
         "PodMonitor": "podmonitors",
         "Secret": "secrets",
@@ -61,3 +62,5 @@ def test_chart_rbac_covers_every_kind_the_operator_renders() -> None:
     for kind in kinds - {"Secret"}:
         for verb in ("get", "create", "patch", "delete"):
             assert (plural[kind], verb) in granted, f"operator renders {kind} but may not {verb} it"
+    # The generated Redis password Secret is created once, never patched (that would change it under the pods).
+    assert {v for r, v in granted if r == "secrets"} == {"get", "create"}

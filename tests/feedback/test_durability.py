@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -62,12 +63,24 @@ def test_redis_down_answers_503_fast_and_records_nothing(valkey, feedback, keys,
     r.close()
 
 
+CRASH_PROMPTS = 3000  # one served rollout per event (each is trained at most once); more than the load ever posts
+
+
+def crash_prompt(i: int) -> str:
+    return get_template("qwen").render(f"def square_{i}(x):\n", "\n")
+
+
 async def _client_loop(
-    http: httpx.AsyncClient, url: str, acked: dict[str, str], stop: asyncio.Event, codes: dict[int, int]
+    http: httpx.AsyncClient,
+    url: str,
+    acked: dict[str, str],
+    stop: asyncio.Event,
+    codes: dict[int, int],
+    prompts: Iterator[int],
 ) -> None:
     """Like a well-behaved client: each event is resent after 503 until it gets a 200."""
     while not stop.is_set():
-        body = event(PROMPT, COMPLETION)
+        body = event(crash_prompt(next(prompts)), COMPLETION)
         while True:
             try:
                 resp = await http.post(url, json=body, headers=headers())
@@ -89,7 +102,8 @@ async def _load_with_crash(valkey, url: str) -> tuple[dict[str, str], dict[int, 
     codes: dict[int, int] = {}
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=10) as http:
-        clients = [asyncio.create_task(_client_loop(http, url, acked, stop, codes)) for _ in range(16)]
+        prompts = iter(range(CRASH_PROMPTS))
+        clients = [asyncio.create_task(_client_loop(http, url, acked, stop, codes, prompts)) for _ in range(16)]
         await asyncio.to_thread(wait_for, lambda: len(acked) >= 300, 60, 0.01, "300 acked events before the crash")
         before = len(acked)
         await asyncio.to_thread(valkey.kill)  # SIGKILL: only what was fsynced survives
@@ -102,7 +116,12 @@ async def _load_with_crash(valkey, url: str) -> tuple[dict[str, str], dict[int, 
 
 def test_redis_crash_mid_load_loses_no_acknowledged_event(valkey, feedback, keys, tokenizer):
     r = redis.Redis.from_url(valkey.url)
-    record_rollout(r, keys, make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion=COMPLETION))
+    base = make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion=COMPLETION)
+    with r.pipeline(transaction=False) as pipe:  # recorded before the load: on disk (fsync always) before the crash
+        for i in range(CRASH_PROMPTS):
+            rec = base.model_copy(update={"prompt": crash_prompt(i), "rollout_id": f"cmpl-crash-{i}"})
+            pipe.hset(keys.rollouts("acme", rec.prompt), rec.rollout_id, rec.to_json())
+        pipe.execute()
     r.close()
     acked, codes, before = asyncio.run(_load_with_crash(valkey, feedback.url + SUBMIT))
     r = redis.Redis.from_url(valkey.url)

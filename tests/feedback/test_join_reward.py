@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import pytest
-from onlinerl_feedback.decide import decide
-from onlinerl_feedback.join import find_join, kept_token_count, match_span
-from onlinerl_feedback.reward import reward_for
 
 from onlinerl.config import FeedbackConfig, RewardConfig
 from onlinerl.schemas import CompletionOutcome, RolloutRecord
+from onlinerl.tokens import TokenTable, shown_token_count
+from onlinerl_feedback.decide import decide
+from onlinerl_feedback.join import common_prefix_join, find_join, match_span
+from onlinerl_feedback.reward import reward_for
+
+# A toy vocabulary (id = index); "" is EOS. tests/foundation/test_tokens.py covers the real tokenizers and Unicode.
+VOCAB = ["", "ab", "cd", "ef", "c", "d", "\n"]
+TABLE = TokenTable(tuple(p.encode() for p in VOCAB))
 
 
-def record(completion: str, offsets: list[int], tenant: str = "acme", created_at: float = 1.0, rid: str = "r1"):
-    n = len(offsets)
+def record(pieces: list[str], tenant: str = "acme", created_at: float = 1.0, rid: str = "r1", offsets=None):
+    """A rollout whose tokens are ``pieces`` (ids from VOCAB) and whose text is what they spell."""
+    ids = [VOCAB.index(p) for p in pieces]
     return RolloutRecord(
         rollout_id=rid,
         tenant=tenant,
@@ -20,10 +26,10 @@ def record(completion: str, offsets: list[int], tenant: str = "acme", created_at
         served_model="m",
         prompt="p",
         prompt_token_ids=[1, 2],
-        completion=completion,
-        completion_token_ids=list(range(10, 10 + n)),
-        behaviour_logprobs=[-0.1] * n,
-        token_offsets=offsets,
+        completion="".join(pieces),
+        completion_token_ids=ids,
+        behaviour_logprobs=[-(i + 1) / 10 for i in range(len(ids))],
+        token_offsets=offsets if offsets is not None else [],
         created_at=created_at,
     )
 
@@ -49,28 +55,41 @@ def test_match_span(generated, shown, expected):
 
 
 def test_kept_tokens_are_a_prefix_ending_inside_the_span():
-    # tokens: "ab" [0,2) "cd" [2,4) "ef" [4,6) EOS [6,6)
-    offsets = [0, 2, 4, 6]
-    assert kept_token_count(offsets, 6, 6, 4) == 4  # whole text shown: EOS too
-    assert kept_token_count(offsets, 6, 5, 4) == 2  # cut inside "ef": it and everything after are dropped
-    assert kept_token_count(offsets, 6, 4, 4) == 2
-    assert kept_token_count(offsets, 6, 0, 4) == 0
-    assert kept_token_count([], 6, 6, 4) == 4 and kept_token_count([], 6, 5, 4) == 0  # no offsets: no safe cut
+    ids, text = [1, 2, 3, 0], "abcdef"  # "ab" "cd" "ef" EOS
+
+    def kept(end: int, terminator: bool = False, table: TokenTable | None = TABLE) -> int:
+        return shown_token_count(table, ids, text, end, terminator)
+
+    assert kept(6) == 4  # whole text shown: EOS too
+    assert kept(5) == 2  # cut inside "ef": it and everything after are dropped
+    assert kept(4) == 2
+    assert kept(0) == 0
+    assert kept(6, table=None) == 4 and kept(5, table=None) == 0  # no tokenizer table: no safe cut
     # with the terminator: the token the display was cut on comes too, but nothing after it
-    assert kept_token_count(offsets, 6, 4, 4, terminator=True) == 3  # "ab" "cd" + "ef"
-    assert kept_token_count(offsets, 6, 5, 4, terminator=True) == 3  # cut inside "ef": "ef" is the terminator
-    assert kept_token_count(offsets, 6, 6, 4, terminator=True) == 4  # whole text shown: nothing to add
-    assert kept_token_count(offsets, 6, 1, 4, terminator=True) == 0  # no whole token shown: nothing to train on
+    assert kept(4, True) == 3  # "ab" "cd" + "ef"
+    assert kept(5, True) == 3  # cut inside "ef": "ef" is the terminator
+    assert kept(6, True) == 4  # whole text shown: nothing to add
+    assert kept(1, True) == 0  # no whole token shown: nothing to train on
+
+
+def test_join_ignores_vllm_char_offsets():
+    """Offsets that drift (as vLLM's do on split multi-byte characters) change nothing: the cut comes from the ids."""
+    good = record(["ab", "cd", "\n", "ef"], offsets=[0, 2, 4, 5])
+    drifted = record(["ab", "cd", "\n", "ef"], offsets=[0, 5, 9, 12])
+    for r in (good, drifted):
+        j = find_join([r], "abcd", "acme", TABLE)
+        assert (j.match, j.token_ids, j.logprobs) == ("prefix", [1, 2, 6], [-0.1, -0.2, -0.3])  # + the newline
 
 
 def test_best_join_prefers_exact_then_most_tokens_and_never_another_tenant():
-    a = record("abcdef", [0, 2, 4], rid="prefix-match")
-    b = record("abc", [0, 2], rid="exact-match")
-    other = record("abc", [0, 2], tenant="globex", rid="foreign")
-    assert find_join([a, b, other], "abc", "acme").record.rollout_id == "exact-match"
-    assert find_join([other], "abc", "acme") is None
-    j = find_join([a], "abcd", "acme")
-    assert (j.match, j.token_ids, j.logprobs) == ("prefix", [10, 11, 12], [-0.1, -0.1, -0.1])  # + terminator
+    a = record(["ab", "cd", "ef"], rid="prefix-match")
+    b = record(["ab", "c"], rid="exact-match")
+    other = record(["ab", "c"], tenant="globex", rid="foreign")
+    assert find_join([a, b, other], "abc", "acme", TABLE).record.rollout_id == "exact-match"
+    assert find_join([other], "abc", "acme", TABLE) is None
+    j = find_join([a], "abcd", "acme", TABLE)
+    assert (j.match, j.token_ids, j.logprobs) == ("prefix", [1, 2, 3], [-0.1, -0.2, -0.3])  # + terminator
+    assert common_prefix_join(a, "abX", TABLE).token_ids == [1]  # a mismatch is no display cut: no terminator
 
 
 @pytest.mark.parametrize(
@@ -95,10 +114,10 @@ def test_custom_reward_uses_the_numbers_given():
 
 def test_decide_routes_unmatched_to_audit_unless_train_unmatched():
     ev = CompletionOutcome(completionId="c1", accepted=True, completion="abX", prompt="p")
-    rec = record("abcd", [0, 2, 4])
-    d = decide(ev, "acme", "p", [rec], FeedbackConfig(), now=5.0)
+    rec = record(["ab", "cd", ""])
+    d = decide(ev, "acme", "p", [rec], FeedbackConfig(), now=5.0, table=TABLE)
     assert (d.status, d.to_samples, d.reason, d.stats) == ("unmatched", False, "text_mismatch", ())
-    d = decide(ev, "acme", "p", [rec], FeedbackConfig(trainUnmatched=True), now=5.0)
+    d = decide(ev, "acme", "p", [rec], FeedbackConfig(trainUnmatched=True), now=5.0, table=TABLE)
     assert (d.status, d.to_samples, d.details["match"], d.details["tokens"]) == (
         "accepted_for_training",
         True,
@@ -111,9 +130,8 @@ def test_decide_routes_unmatched_to_audit_unless_train_unmatched():
 def test_prompt_template_auto_reads_fim_tokens_from_tokenizer_json(tmp_path, smollm2_path):
     import json
 
-    from onlinerl_feedback.prompts import configured_template, event_prompt
-
     from onlinerl.config import from_mapping
+    from onlinerl_feedback.prompts import configured_template, event_prompt
 
     assert configured_template(from_mapping({"model": {"path": str(smollm2_path)}})).name == "plain"  # no FIM tokens
     (tmp_path / "tokenizer.json").write_text(

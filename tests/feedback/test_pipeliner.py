@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from onlinerl_feedback.pipeliner import Pipeliner, RedisUnavailable
 from redis.asyncio import Redis
+
+from onlinerl_feedback.pipeliner import Pipeliner, RedisUnavailable
 
 
 async def test_concurrent_calls_share_round_trips_and_get_their_own_replies(valkey):

@@ -74,8 +74,15 @@ def test_accepted_exact_match_becomes_a_sample(server, r, keys, http, tokenizer)
     assert sample["behaviour_logprobs"] == rec.behaviour_logprobs
     assert (sample["reward"], sample["accepted"]) == (0.75, True)
     assert (sample["arm"], sample["policy_version"], sample["match"]) == ("candidate", 3, "exact")
-    assert r.hgetall(keys.stats(3, "candidate")) == {b"shown": b"1", b"accepted": b"1"}
+    assert r.hgetall(keys.stats(3, "candidate")) == {
+        b"shown": b"1",
+        b"accepted": b"1",
+        b"shown_chars": b"16",
+        b"accepted_chars": b"16",
+    }
     assert r.get(keys.seen("acme", body["completionId"])).decode() == f"accepted_for_training {out['sample_id']}"
+    rated = r.hget(keys.rollouts("acme", PROMPT), keys.rated_field(rec.rollout_id))
+    assert rated.decode() == f"accepted_for_training {out['sample_id']}"
     assert r.ttl(keys.seen("acme", body["completionId"])) > 3600
 
 
@@ -85,11 +92,12 @@ def test_rejected_suggestion_is_trained_with_negative_reward(server, r, keys, ht
     assert resp.json()["status"] == "accepted_for_training" and resp.json()["reward"] == -0.25
     (sample,), _ = assert_streams(r, keys, samples=1, audit=0)
     assert (sample["reward"], sample["accepted"]) == (-0.25, False)
-    assert r.hgetall(keys.stats(0, "stable")) == {b"shown": b"1", b"rejected": b"1"}
+    assert r.hgetall(keys.stats(0, "stable")) == {b"shown": b"1", b"rejected": b"1", b"shown_chars": b"16"}
 
 
-def test_cache_hit_with_unknown_extra_fields_is_accepted(server, r, keys, http, tokenizer):
-    record_rollout(r, keys, make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion="    return a + b"))
+def test_cache_hit_with_unknown_extra_fields_is_audited_never_trained(server, r, keys, http, tokenizer):
+    rec = make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion="    return a + b")
+    record_rollout(r, keys, rec)
     body = event(
         PROMPT,
         "    return a + b",
@@ -102,8 +110,15 @@ def test_cache_hit_with_unknown_extra_fields_is_accepted(server, r, keys, http, 
         somethingNew={"nested": [1, 2]},
     )
     resp = post(http, server, body)
-    assert resp.status_code == 200 and resp.json()["status"] == "accepted_for_training"
-    assert_streams(r, keys, samples=1, audit=0)
+    # Continue served it from its own cache: the gateway served nothing, so there is nothing to learn or count.
+    assert resp.status_code == 200, resp.text
+    assert (resp.json()["status"], resp.json()["reason"]) == ("rejected", "cache_hit")
+    _, (entry,) = assert_streams(r, keys, samples=0, audit=1)
+    assert (entry["event_id"], entry["outcome"], entry["reason"]) == (body["completionId"], "rejected", "cache_hit")
+    assert not r.keys(keys.prefix + "stats:*")
+    assert not r.hexists(keys.rollouts("acme", PROMPT), keys.rated_field(rec.rollout_id))  # the real event still counts
+    out = post(http, server, event(PROMPT, "    return a + b")).json()
+    assert out["status"] == "accepted_for_training" and out["rollout_id"] == rec.rollout_id
 
 
 def test_prefix_cut_keeps_the_shown_tokens_and_the_terminator(server, r, keys, http, tokenizer):
@@ -147,7 +162,7 @@ def test_empty_suggestion_gets_zero_reward(server, r, keys, http, tokenizer):
     assert out["status"] == "accepted_for_training" and out["reward"] == 0.0
     (sample,), _ = assert_streams(r, keys, samples=1, audit=0)
     assert sample["completion_token_ids"] == rec.completion_token_ids  # "\n" + EOS: the model's choice to say nothing
-    assert r.hgetall(keys.stats(0, "stable")) == {b"empty": b"1"}
+    assert r.hgetall(keys.stats(0, "stable")) == {b"empty": b"1"}  # no shown_chars: nothing was shown
 
 
 def test_repo_level_qwen_prompt_and_prefix_suffix_only_upload(server, r, keys, http, tokenizer):
@@ -178,10 +193,21 @@ def test_duplicate_is_never_counted_twice(server, r, keys, http, tokenizer):
     flipped = post(http, server, {**body, "accepted": False}).json()  # a resend can't change the verdict either
     assert first["status"] == "accepted_for_training"
     for dup in (again, flipped):
-        assert dup["status"] == "duplicate"
+        assert (dup["status"], dup["reason"]) == ("duplicate", "completion_id_seen")
         assert (dup["first_outcome"], dup["entry_id"]) == ("accepted_for_training", first["sample_id"])
-    assert_streams(r, keys, samples=1, audit=0)
-    assert r.hgetall(keys.stats(0, "stable")) == {b"shown": b"1", b"accepted": b"1"}
+    # Each resend is audited (what it repeats included), and counts nothing.
+    _, audit = assert_streams(r, keys, samples=1, audit=2)
+    assert [a["audit_id"] for a in (again, flipped)] == [i.decode() for i, _ in r.xrange(keys.audit)]
+    for entry in audit:
+        assert entry["event_id"] == body["completionId"]
+        assert (entry["outcome"], entry["reason"]) == ("duplicate", "completion_id_seen")
+        assert (entry["first_outcome"], entry["first_entry_id"]) == ("accepted_for_training", first["sample_id"])
+    assert r.hgetall(keys.stats(0, "stable")) == {
+        b"shown": b"1",
+        b"accepted": b"1",
+        b"shown_chars": b"16",
+        b"accepted_chars": b"16",
+    }
 
 
 def test_unknown_completion_goes_to_audit_only(server, r, keys, http):
@@ -318,7 +344,8 @@ def test_shown_text_cut_inside_the_first_token_is_audited_not_trained(server, r,
     assert (out["status"], out["reason"], out["match"]) == ("rejected", "no_shown_tokens", "prefix")
     _, (entry,) = assert_streams(r, keys, samples=0, audit=1)
     assert (entry["outcome"], entry["reason"]) == ("rejected", "no_shown_tokens")
-    assert r.hgetall(keys.stats(2, "stable")) == {b"shown": b"1", b"accepted": b"1"}  # it was shown and accepted
+    shown = {b"shown": b"1", b"accepted": b"1", b"shown_chars": b"2", b"accepted_chars": b"2"}
+    assert r.hgetall(keys.stats(2, "stable")) == shown  # it was shown and accepted
     metrics = http.get(server.url + "/metrics").text
     assert 'onlinerl_feedback_shown_total{arm="stable",version="2"} 1.0' in metrics
     assert 'onlinerl_feedback_accepted_total{arm="stable",version="2"} 1.0' in metrics

@@ -40,7 +40,8 @@ def test_two_workers_share_the_port_and_report_pod_wide_metrics(valkey, tmp_path
     metrics_dir.mkdir()
     (metrics_dir / "counter_999999.db").write_bytes(b"stale")  # a previous run's file: must not be summed in
     r = redis.Redis.from_url(valkey.url)
-    record_rollout(r, keys, make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion=COMPLETION))
+    for _ in range(EVENTS):  # one served rollout per event: a rollout is trained at most once
+        record_rollout(r, keys, make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion=COMPLETION))
     srv = start_feedback(tmp_path, valkey.url, env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}, workers=2)
     try:
         assert len(_children(srv.child.pid)) >= 2  # uvicorn's supervisor and its workers

@@ -8,6 +8,7 @@ trainer processes started by the same code as `onlinerl up`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from onlinerl.config import OnlineRLConfig
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
 from onlinerl.loop.continue_client import ContinueClient
-from onlinerl.loop.stack import DEMO_TENANT, LocalPorts, start_stack
+from onlinerl.loop.stack import DEMO_TENANT, LocalPorts, ensure_demo_key, start_stack
 from onlinerl.procs import wait_for
 from onlinerl.schemas import PolicyTable
 from onlinerl.valkey import free_port
@@ -46,6 +47,8 @@ def stack(tiny_model_path, tmp_path_factory):
             "model": {"path": str(tiny_model_path), "fimTemplate": "plain", "maxModelLen": 1024},
             "serving": {"port": free_port(), "engineUrl": f"http://127.0.0.1:{free_port()}"},
             "feedback": {"port": free_port()},
+            # every hop incl. the reload to stable; the canary end to end: tests/rollout/test_e2e_real.py
+            "rollout": {"strategy": "direct"},
             "trainer": {
                 "metricsPort": free_port(),
                 "batchSize": 2,
@@ -141,11 +144,15 @@ def test_every_hop_end_to_end(stack):
     assert res.status == 200 and res.version >= 1
     assert all(s.status == 200 for s in served)  # no request failed across the switch
 
-    async def pinned(version: int):
-        async with httpx.AsyncClient(timeout=120) as http:
-            return await client.complete(http, client.template.render(*PROMPTS[1]), pin_version=version)
+    evaluator = dataclasses.replace(client, api_key=ensure_demo_key(stack.paths, "eval"))
 
-    base = asyncio.run(pinned(0))  # evaluation can still ask for the base model explicitly
+    async def pinned(version: int, who: ContinueClient = evaluator):
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await who.complete(http, who.template.render(*PROMPTS[1]), pin_version=version)
+
+    refused = asyncio.run(pinned(0, client))  # a user key may not choose its policy
+    assert refused.status == 403 and "X-OnlineRL-Version" in refused.error
+    base = asyncio.run(pinned(0))  # evaluation (an eval key) can still ask for the base model explicitly
     assert (base.status, base.version, base.arm) == (200, 0, "eval")
     missing = asyncio.run(pinned(99))
     assert missing.status == 409 and "not loaded" in missing.error

@@ -16,7 +16,7 @@ def test_status_renders_versions_accept_rates_backlog_trainer_and_decisions(redi
     for v in (1, 2):
         r.hset(keys.versions, str(v), PolicyVersionState(version=v, state="loaded", path=f"/c/v{v}").to_json())
     r.hset(keys.stats(2, "stable"), mapping={"shown": 40, "accepted": 10, "served": 50})
-    r.hset(keys.stats(0, "base"), mapping={"shown": 20, "accepted": 2, "served": 25})
+    r.hset(keys.stats(0, "stable"), mapping={"shown": 20, "accepted": 2, "served": 25})
     r.xadd(keys.samples, {"data": b"{}"})
     r.hset(
         keys.trainer_status,
@@ -35,7 +35,7 @@ def test_status_renders_versions_accept_rates_backlog_trainer_and_decisions(redi
     assert "stable v2" in text and "pinned 1" in text
     assert "v1:loaded  v2:loaded" in text
     assert "v2    stable    0.250  (10/40, served 50)" in text
-    assert "v0    base      0.100  (2/20, served 25)" in text
+    assert "v0    stable    0.100  (2/20, served 25)" in text
     assert "backlog: 1 unconsumed samples" in text
     assert "step 7" in text and "samples trained 56" in text
     assert "last reload: v2" in text

@@ -16,13 +16,17 @@ from typing import Any
 
 import kopf
 import pytest
+
 from onlinerl_operator import constants as c
 from onlinerl_operator.handlers import build_registry
 from onlinerl_operator.kube import KINDS, Kube
+from onlinerl_operator.reconcile import RetryPolicy
 
 NS = "team-a"
 CR_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
 INTERVAL = 0.2
+# The production delays (60 s for a 403) scaled down: a test sees the retry follow within its timeout.
+RETRY = RetryPolicy(forbidden=0.6, conflict=0.2, unavailable=0.3)
 
 
 async def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -145,7 +149,7 @@ async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"}
     )
     url = str(kmock.url).rstrip("/")
-    registry = build_registry(interval=INTERVAL)
+    registry = build_registry(interval=INTERVAL, retry=RETRY)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:

@@ -8,12 +8,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
+from onlinerl.config import OnlineRLConfig
 from onlinerl_operator.crdgen import build_crd, render_yaml
 from onlinerl_operator.reconcile import compose_status
 from onlinerl_operator.spec import SpecError, parse_spec
 from onlinerl_operator.status import Observation
-
-from onlinerl.config import OnlineRLConfig
 from tests.operator.helpers import (
     CRD_FILE,
     EXAMPLES,

@@ -7,11 +7,11 @@ from typing import Any
 import jsonschema
 import pytest
 import redis
-from onlinerl_operator import constants as c
 
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyVersionState
 from onlinerl.valkey import free_port
+from onlinerl_operator import constants as c
 from tests.operator.conftest import Cluster, wait_until
 from tests.operator.helpers import status_jsonschema, strip_none
 
@@ -222,9 +222,16 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
         rollouts = [e.raw for e in events if e.raw.get("reason") == "RolloutRollback"]
         assert len(rollouts) == 1 and rollouts[0]["type"] == "Warning"
         assert rollouts[0]["involvedObject"]["name"] == "demo" and "by test" in rollouts[0]["message"]
-        # Someone clears the pin by hand: the operator restores the spec's pin (the spec is the source of truth).
+        # A manual unpin (`onlinerl policy unpin`) sticks: the spec's pin was applied once, when the field changed,
+        # and unrelated spec changes do not re-apply it.
         r.hset(keys.policy, "pinned", "")
-        await wait_until(lambda: r.hget(keys.policy, "pinned") == b"2", what="pin restored")
+        generation = await cluster.patch_spec("demo", {"serving": {"replicas": 2}})
+        await wait_until(lambda: cluster.status("demo").get("observedGeneration") == generation, what="next pass")
+        await wait_until(lambda: "pinnedVersion" not in cluster.status("demo"), what="status shows the manual unpin")
+        assert r.hget(keys.policy, "pinned") == b""
+        # The spec field changes: applied again.
+        await cluster.patch_spec("demo", {"rollout": {"pinnedVersion": 1}})
+        await wait_until(lambda: r.hget(keys.policy, "pinned") == b"1", what="pin v1 from the spec")
         # Unpin (kubectl patch with null removes the field).
         await cluster.patch_spec("demo", {"rollout": {"pinnedVersion": None}})
         await wait_until(lambda: r.hget(keys.policy, "pinned") == b"", what="pin cleared")

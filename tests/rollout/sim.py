@@ -3,7 +3,8 @@
 Each request comes from one of ``users`` users; the user is routed like the gateway does it (deterministic per user:
 candidate when hash(user) < canary_share, pinned overrides), the served version's *true* show and accept rates
 decide the outcome, and the counters ``stats:v{N}:{arm}`` get ``served`` (gateway) and ``shown/accepted/rejected/
-empty`` (feedback) exactly as the contract names them. Outcomes are drawn from a seeded RNG: runs are reproducible.
+empty/shown_chars/accepted_chars`` (feedback) under the shared arm names (``onlinerl.arms``). Outcomes come from a
+seeded RNG: runs are reproducible. tests/rollout/test_e2e_real.py takes the same decisions with no simulator at all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from onlinerl.arms import CANDIDATE, PINNED, STABLE
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 
@@ -27,6 +29,7 @@ def user_fraction(user: str) -> float:
 class Truth:
     accept_rate: float
     show_rate: float = 1.0
+    length: int = 40  # characters of every shown suggestion
 
 
 @dataclass
@@ -44,10 +47,10 @@ class ArmSimulator:
 
     def route(self, table: PolicyTable, user: str) -> tuple[int, str]:
         if table.pinned is not None:
-            return table.pinned, "pinned"
+            return table.pinned, PINNED
         if table.candidate is not None and user_fraction(user) < table.canary_share:
-            return table.candidate, "candidate"
-        return table.stable, "stable"
+            return table.candidate, CANDIDATE
+        return table.stable, STABLE
 
     def serve(self, requests: int) -> Counter:
         """Serve ``requests`` simulated completions against the live table; returns requests per (version, arm)."""
@@ -62,7 +65,12 @@ class ArmSimulator:
                 c["empty"] += 1
                 continue
             c["shown"] += 1
-            c["accepted" if self.rng.random() < truth.accept_rate else "rejected"] += 1
+            c["shown_chars"] += truth.length
+            if self.rng.random() < truth.accept_rate:
+                c["accepted"] += 1
+                c["accepted_chars"] += truth.length
+            else:
+                c["rejected"] += 1
         pipe = self.r.pipeline(transaction=False)
         for (version, arm), c in counts.items():
             for name, n in c.items():

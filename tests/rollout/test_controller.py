@@ -119,7 +119,8 @@ def test_holds_when_within_noise(redis_client) -> None:
     assert [d.decision for d in decisions] == ["hold"] * 6
     assert [d.figures["look"] for d in decisions] == [0, 1, 2, 3, 4, 5]
     assert [d.figures["samples"] for d in decisions] == [291, 427, 804, 1605, 3204, 6428]
-    assert all("within noise" in d.reason for d in decisions)
+    # an equal candidate's point figures dip below a guardrail floor now and then: that holds, never rolls back
+    assert all("within noise" in d.reason or "guardrail broken, not promoted" in d.reason for d in decisions)
     assert policy(redis_client).candidate == 1  # the canary keeps running
 
 
@@ -253,8 +254,14 @@ def test_evaluator_errors_retry_then_fail(redis_client) -> None:
 
     redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=0).to_redis())
     publish_loaded(redis_client, JOB, 1)
-    ctl = RolloutController(redis_client, JOB, rollout_cfg(), broken, clock=FakeClock(), gate_attempts=3)
-    assert ctl.tick() == [] and ctl.tick() == []
+    clock = FakeClock()
+    ctl = RolloutController(redis_client, JOB, rollout_cfg(), broken, clock=clock, gate_attempts=3)
+    assert ctl.tick() == [] and len(calls) == 1
+    clock.now += 1.0
+    assert ctl.tick() == [] and len(calls) == 1  # retries are spaced in time (2 s, then 4 s), not in ticks
+    clock.now += 1.0
+    assert ctl.tick() == [] and len(calls) == 2
+    clock.now += 4.0
     [rec] = ctl.tick()
     assert rec.decision == "gate_fail" and "evaluator failed 3 times: serving unreachable" in rec.reason
     assert len(calls) == 3 and calls[0].samples == 64

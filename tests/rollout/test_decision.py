@@ -101,3 +101,75 @@ def test_counters_since_baseline() -> None:
     base = ArmStats.from_mapping({"shown": "100", "accepted": "30", "served": "100"})
     assert now.minus(base) == ArmStats(shown=400, accepted=130, served=420)
     assert ArmStats.from_mapping(None) == ArmStats()
+
+
+def chars_arm(shown: int, accepted: int, length: int, served: int | None = None) -> ArmStats:
+    """Counters with every shown suggestion ``length`` characters long."""
+    return ArmStats(
+        shown=shown,
+        accepted=accepted,
+        rejected=shown - accepted,
+        served=served or shown,
+        shown_chars=shown * length,
+        accepted_chars=accepted * length,
+    )
+
+
+def test_shorter_and_more_accepted_but_fewer_accepted_chars_is_not_promoted() -> None:
+    """Reward hacking by brevity: accept rate 0.40 vs 0.30 (credibly better, yield too), suggestions 40 vs 60
+    characters: 1600 vs 1800 accepted characters per 100 requests, below the 0.9 floor. Held at every look, never
+    promoted; rolled back once the shortfall is credible."""
+    stable = chars_arm(1000, 300, 60)
+    short = chars_arm(1000, 400, 40)
+    assert (short.accept_rate, short.accepted_per_100) > (stable.accept_rate, stable.accepted_per_100)
+    assert short.accepted_chars_per_100 == 1600.0 and stable.accepted_chars_per_100 == 1800.0
+    last_look, streak = -1, 0
+    for n in (1000, 2000, 4000, 8000):
+        v = decide(chars_arm(n, n * 4 // 10, 40), chars_arm(n, n * 3 // 10, 60), 1e6, last_look, RULES, streak)
+        assert v.p_accept_rate > 0.999  # without the guardrail every one of these looks would promote
+        assert v.action == "hold" and v.evaluated, v.reason
+        assert "accepted chars per 100 requests 1600.0 < 0.9 x stable 1800.0" in v.reason
+        last_look, streak = v.look, v.breach_looks
+    assert v.figures()["candidate"]["accepted_chars_per_100"] == 1600.0 and streak == 4
+    # shorter still (30 chars: 1200 per 100 requests): the shortfall is credible at once -> rollback
+    v = decide(chars_arm(1000, 400, 30), stable, 1e6, -1, RULES)
+    assert v.action == "rollback" and v.reason.startswith("guardrail broken: accepted chars per 100 requests 1200.0")
+    # the same candidate at a length that keeps its accepted characters above the floor is promoted
+    assert decide(chars_arm(1000, 400, 50), stable, 1e6, -1, RULES).action == "promote"
+
+
+@pytest.mark.parametrize(
+    ("candidate", "figure"),
+    [
+        (ArmStats(shown=600, accepted=300, served=1000, shown_chars=24000, accepted_chars=12000), "suggestion rate"),
+        (ArmStats(shown=1000, accepted=450, served=1000, shown_chars=19000, accepted_chars=12000), "mean shown length"),
+        (ArmStats(shown=1000, accepted=400, empty=250, served=1250, shown_chars=40000, accepted_chars=16000), "empty"),
+    ],
+)
+def test_each_guardrail_blocks_promotion(candidate: ArmStats, figure: str) -> None:
+    """Each candidate has the better accept rate; a clear breach of one guardrail rolls it back (mean length: holds
+    at the first look, rolls back at the next), naming the figure."""
+    stable = ArmStats(shown=1000, accepted=300, empty=10, served=1010, shown_chars=40000, accepted_chars=12000)
+    v = decide(candidate, stable, 1e6, -1, RULES)
+    assert candidate.accept_rate > stable.accept_rate and v.p_accept_rate > 0.99
+    assert v.action in ("hold", "rollback") and any(b.startswith(figure) for b in v.breaches), v.reason
+    assert (v.action == "hold") == (figure == "mean shown length") and figure in v.reason
+
+
+def test_mean_length_rolls_back_after_breach_looks_and_a_cleared_breach_resets() -> None:
+    stable = chars_arm(1000, 300, 60)
+    tiny = ArmStats(shown=1000, accepted=900, rejected=100, served=1000, shown_chars=25000, accepted_chars=22500)
+    first = decide(tiny, stable, 1e6, -1, RULES)  # 25 chars < 0.5 x 60, but 2250 accepted chars per 100: more
+    assert first.action == "hold" and first.breaches == ("mean shown length 25.0 chars < 0.5 x stable 60.0",)
+    waiting = decide(tiny, stable, 1, first.look, RULES, first.breach_looks)  # dwell not reached: streak kept
+    assert (waiting.evaluated, waiting.breach_looks) == (False, 1)
+    again = decide(tiny, chars_arm(1000, 300, 60), 1e6, -1, RULES, first.breach_looks)
+    assert again.action == "rollback" and "at 2 consecutive looks" in again.reason
+    cleared = decide(chars_arm(2000, 800, 60), chars_arm(2000, 600, 60), 1e6, 0, RULES, breach_looks=1)
+    assert cleared.action == "promote" and cleared.breach_looks == 0
+
+
+def test_character_guardrails_wait_for_character_counts() -> None:
+    """Counters without characters (an older feedback service) skip the character guardrails instead of failing."""
+    v = decide(arm(1000, 0.36), arm(1000, 0.30), 1e6, -1, RULES)
+    assert v.action == "promote" and v.breaches == ()

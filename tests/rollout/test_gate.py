@@ -63,8 +63,14 @@ def test_worse_accept_rate_fails_within_margin_passes() -> None:
 
 def test_degenerate_stable_does_not_block_a_repair() -> None:
     """The base model loops on some prompts; a candidate that loops less must not fail for the base's sake."""
-    loopy = records(text=lambda i: "<fim_middle>" * 20 if i % 2 else CODE[i % 5])
-    better = records(text=lambda i: "<fim_middle>" * 20 if i % 5 == 0 else CODE[i % 5])
+
+    def run(loops) -> list[EvalRecord]:  # nobody accepts a loop: it would count as accepted characters
+        return [
+            EvalRecord("<fim_middle>" * 20, False) if loops(i) else EvalRecord(CODE[i % 5], i % 3 == 0)
+            for i in range(60)
+        ]
+
+    loopy, better = run(lambda i: i % 2), run(lambda i: i % 5 == 0)
     assert loopy and gate(better, loopy).passed
 
 

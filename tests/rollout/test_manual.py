@@ -39,11 +39,15 @@ def test_pin_unpin_pause_resume(cli, redis_client) -> None:
     assert cli("pin", "2") == (0, "pin: pinned to v2\n", "")
     assert table(redis_client).pinned == 2
     code, _, err = cli("pin", "9")
-    assert code == 2 and "version 9 is not loaded in serving (loaded: [0, 1, 2, 3])" in err
+    assert code == 2 and "version 9 is not loaded in serving (servable: [0, 1, 2, 3])" in err
     assert cli("pin", "9", "--force")[0] == 0 and table(redis_client).pinned == 9
-    assert cli("unpin")[1] == "unpin: unpinned (was v9)\n" and table(redis_client).pinned is None
+    held = "stable held at v0 (strategy direct) until `onlinerl policy resume`"
+    assert table(redis_client).hold == 0, "a pin holds stable where it was"
+    assert cli("unpin")[1] == f"unpin: unpinned (was v9); {held}\n" and table(redis_client).pinned is None
+    assert table(redis_client).hold == 0, "unpinning is not a release: resume is"
     assert cli("pause")[0] == 0 and table(redis_client).paused
-    assert cli("resume")[0] == 0 and not table(redis_client).paused
+    assert cli("resume")[1] == "resume: promotion resumed (stable no longer held at v0)\n"
+    assert not table(redis_client).paused and table(redis_client).hold is None
     code, out, _ = cli("show")
     shown = json.loads(out)
     assert shown["versions"] == {"1": "loaded", "2": "loaded", "3": "loaded"}
@@ -55,15 +59,18 @@ def test_rollback_variants(cli, redis_client) -> None:
     store = RolloutStore(redis_client, Keys(JOB))
     redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=2, candidate=3, canary_share=0.1).to_redis())
     # 1. no target, a candidate running: end the canary, keep stable
-    assert cli("rollback")[1] == "rollback: manual rollback: v3 rolled back, v2 serves\n"
+    assert cli("rollback")[1] == (
+        "rollback: manual rollback: v3 rolled back, v2 serves; "
+        "stable held at v2 (strategy direct) until `onlinerl policy resume`\n"
+    )
     t = table(redis_client)
-    assert (t.stable, t.candidate, t.canary_share) == (2, None, 0.0)
+    assert (t.stable, t.candidate, t.canary_share, t.hold) == (2, None, 0.0, 2)
     assert store.state(3).state == "rolled_back"
     # 2. no target, no candidate: back to the newest loaded version below stable that was never rolled back
     assert cli("rollback")[0] == 0 and table(redis_client).stable == 1
     assert store.state(2).state == "rolled_back"
     # 3. explicit target
-    assert cli("rollback", "0")[0] == 0 and table(redis_client).stable == 0
+    assert cli("rollback", "0")[0] == 0 and table(redis_client).stable == 0 and table(redis_client).hold == 0
     code, _, err = cli("rollback", "0")
     assert code == 2 and "v0 is already stable and no candidate is running" in err
     assert [d.decision for _, d in store.decisions()] == ["rollback"] * 3
@@ -100,3 +107,19 @@ def test_no_redis_url_says_what_to_do(capsys, monkeypatch) -> None:
     monkeypatch.delenv("ONLINERL__REDIS__URL", raising=False)
     assert main(["policy", "show"]) == 2
     assert "pass --redis-url or set redis.url" in capsys.readouterr().err
+
+
+def test_rollback_to_a_version_serving_unloaded_before(cli, redis_client) -> None:
+    """Full weights hold one version, LoRA unloads old adapters: both leave a good version ``retired``; it can be
+    rolled back to (the reloader loads it again). A failed version cannot, and the message lists what can."""
+    from onlinerl.schemas import PolicyVersionState
+
+    versions = Keys(JOB).versions
+    redis_client.hset(versions, "1", PolicyVersionState(version=1, state="retired", path="/c/v1").to_json())
+    redis_client.hset(versions, "2", PolicyVersionState(version=2, state="failed", path="/c/v2").to_json())
+    redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=3).to_redis())
+    code, _, err = cli("rollback", "2")
+    assert code == 2 and "version 2 is not loaded in serving (servable: [0, 1, 3])" in err
+    assert cli("rollback")[0] == 0, "the previous stable: the newest servable version below 3"
+    t = table(redis_client)
+    assert (t.stable, t.hold) == (1, 1)

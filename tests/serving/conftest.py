@@ -23,6 +23,8 @@ from onlinerl.valkey import EmbeddedValkey, free_port
 JOB = "t"
 KEY_ACME = "sk-acme-0123456789"
 KEY_BETA = "sk-beta-9876543210"
+KEY_EVAL = "sk-acme-eval-0123456789"  # role eval: may pin a version (X-OnlineRL-Version)
+USER_KEYS = [f"sk-acme-user-{i:02d}-0123456789" for i in range(12)]  # one per simulated user: the arm follows the key
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +54,10 @@ def module_valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
 
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_keys_file(tmp_path_factory.mktemp("auth") / "keys.yaml", {"acme": [KEY_ACME], "beta": [KEY_BETA]})
+    return write_keys_file(
+        tmp_path_factory.mktemp("auth") / "keys.yaml",
+        {"acme": [KEY_ACME, {"key": KEY_EVAL, "role": "eval"}, *USER_KEYS], "beta": [KEY_BETA]},
+    )
 
 
 @dataclass
@@ -103,6 +108,8 @@ __all__ = [
     "JOB",
     "KEY_ACME",
     "KEY_BETA",
+    "KEY_EVAL",
+    "USER_KEYS",
     "Gateway",
     "free_port",
     "start_gateway",

@@ -20,7 +20,6 @@ import httpx
 import orjson
 import pytest
 import redis
-from onlinerl_serving.engine import start_vllm
 
 from onlinerl.config import from_mapping
 from onlinerl.fim import get_template
@@ -29,7 +28,16 @@ from onlinerl.keys import Keys
 from onlinerl.procs import Child, wait_for
 from onlinerl.schemas import PolicyTable, PolicyVersionState, RolloutRecord, adapter_name
 from onlinerl.valkey import EmbeddedValkey, free_port
-from tests.serving.conftest import JOB, KEY_ACME, Gateway, start_gateway, start_reloader, write_config
+from onlinerl_serving.engine import start_vllm
+from tests.serving.conftest import (
+    JOB,
+    KEY_ACME,
+    USER_KEYS,
+    Gateway,
+    start_gateway,
+    start_reloader,
+    write_config,
+)
 from tests.serving.lora_helpers import announce, publish_lora, write_lora_checkpoint
 
 pytestmark = pytest.mark.vllm
@@ -193,7 +201,7 @@ def test_continue_stream_is_wellformed_sse_and_recorded(stack: Stack, tiny_model
         out = stream(c, continue_body())
     assert out.status == 200
     assert out.headers["content-type"].startswith("text/event-stream")
-    assert out.headers["x-onlinerl-policy-version"] == "0" and out.headers["x-onlinerl-arm"] == "base"
+    assert out.headers["x-onlinerl-policy-version"] == "0" and out.headers["x-onlinerl-arm"] == "stable"
     for chunk in out.chunks:  # nothing the client did not ask for
         assert set(chunk) <= {"id", "object", "created", "model", "choices", "system_fingerprint"}
         assert set(chunk["choices"][0]) == {"index", "text", "finish_reason"}
@@ -539,19 +547,20 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
 
 
 def test_canary_split_is_deterministic_per_user_and_recorded(stack: Stack) -> None:
-    """candidate=3 at a 50 % share: each user (key + Continue uniqueId) sticks to one arm; records and stats agree."""
+    """candidate=3 at a 50 % share: each user (its API key) sticks to one arm whatever uniqueId / ``user`` it sends
+    (a client cannot choose its arm); records and stats agree."""
     stack.redis.hset(stack.keys.policy, mapping={"candidate": "3", "canary_share": "0.5", "pinned": ""})
     stable = policy(stack).stable
-    users = [f"install-{i}" for i in range(12)]
+    users = USER_KEYS
     with stack.gateway.client() as c:
 
-        def arms() -> dict[str, tuple[str, str, str]]:
+        def arms(install: str) -> dict[str, tuple[str, str, str]]:
             out = {}
             for u in users:
                 resp = c.post(
                     "/v1/completions",
-                    json=continue_body(stream=False, max_tokens=2),
-                    headers={**AUTH, "X-Continue-Unique-Id": u},
+                    json=continue_body(stream=False, max_tokens=2, user=install),
+                    headers={"Authorization": f"Bearer {u}", "X-Continue-Unique-Id": install},
                 )
                 assert resp.status_code == 200
                 out[u] = (
@@ -561,9 +570,9 @@ def test_canary_split_is_deterministic_per_user_and_recorded(stack: Stack) -> No
                 )
             return out
 
-        wait_for(lambda: "candidate" in {a for a, _, _ in arms().values()}, 10, what="gateway to see the candidate")
-        first, second = arms(), arms()
-    assert {u: a[:2] for u, a in first.items()} == {u: a[:2] for u, a in second.items()}  # sticky per user
+        wait_for(lambda: "candidate" in {a for a, _, _ in arms("a").values()}, 10, what="gateway to see the candidate")
+        first, second = arms("install-a"), arms("install-b")
+    assert {u: a[:2] for u, a in first.items()} == {u: a[:2] for u, a in second.items()}  # sticky per key
     seen = {a[:2] for a in first.values()}
     assert seen == {("candidate", "3"), ("stable", str(stable))}, seen
     for arm, version, rollout_id in first.values():
@@ -644,3 +653,33 @@ def test_gate_evaluator_evaluates_both_versions_through_the_gateway(stack: Stack
     assert (gate_input.candidate_version, gate_input.stable_version) == (candidate, 0)
     assert len(gate_input.candidate) == 3 and len(gate_input.stable) == 3
     assert int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served")) == before + 3  # arm "eval", apart
+
+
+def test_only_eval_keys_may_pin_a_version(stack: Stack) -> None:
+    """A user key asking for a version gets 403 naming the header and the fix; an eval key is served that version
+    on arm ``eval`` (kept apart from the canary's statistics), and a forged pin is not billed to any arm."""
+    from tests.serving.conftest import KEY_EVAL
+
+    body = continue_body(stream=False, max_tokens=2)
+    with stack.gateway.client() as c:
+        for key in (KEY_ACME, USER_KEYS[0]):
+            resp = c.post(
+                "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}", "X-OnlineRL-Version": "0"}
+            )
+            assert resp.status_code == 403, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == "X-OnlineRL-Version" and err["code"] == "version_pin_forbidden"
+            assert "role 'user'" in err["message"] and "role eval" in err["message"]
+        bad = c.post(
+            "/v1/completions", json=body, headers={"Authorization": "Bearer sk-forged", "X-OnlineRL-Version": "0"}
+        )
+        assert bad.status_code == 401  # an unknown key is refused before its pin is even read
+        before = int(stack.redis.hget(stack.keys.stats(0, "eval"), "served") or 0)
+        ok = c.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_EVAL}", "X-OnlineRL-Version": "0"}
+        )
+    assert ok.status_code == 200, ok.text
+    assert (ok.headers["x-onlinerl-arm"], ok.headers["x-onlinerl-policy-version"]) == ("eval", "0")
+    rec = record_for(stack, "acme", PROMPT, ok.headers["x-onlinerl-rollout-id"])
+    assert (rec.arm, rec.policy_version) == ("eval", 0)
+    assert int(stack.redis.hget(stack.keys.stats(0, "eval"), "served")) == before + 1

@@ -7,11 +7,20 @@ from pathlib import Path
 
 import orjson
 import pytest
+
+from onlinerl.config import from_mapping
+from onlinerl.schemas import CheckpointManifest, PolicyTable, SamplingParams
 from onlinerl_serving.capture import RolloutAccumulator, client_view
 from onlinerl_serving.checkpoints import Announcement, CheckpointError, verify_checkpoint
 from onlinerl_serving.engine import vllm_argv, vllm_env
 from onlinerl_serving.errors import ApiError
-from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
+from onlinerl_serving.requests import (
+    Limits,
+    parse_completion_request,
+    sampling_record,
+    upstream_body,
+    with_exploration,
+)
 from onlinerl_serving.routing import (
     choose,
     newest_loaded_at_most,
@@ -21,9 +30,6 @@ from onlinerl_serving.routing import (
     user_point,
     version_of_model,
 )
-
-from onlinerl.config import from_mapping
-from onlinerl.schemas import CheckpointManifest, PolicyTable
 
 LIMITS = Limits(max_prompt_chars=100, max_tokens_cap=4096, max_model_len=2048)
 
@@ -67,6 +73,13 @@ def test_continue_request_is_accepted_and_forwarded_with_capture_fields() -> Non
         "logprobs": 0,
         "return_token_ids": True,
         "temperature": 0.01,
+        # every control the trainer cannot model is pinned neutral: no generation_config default applies upstream
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
         "stream_interval": 8,
     }
     non_stream = parse_completion_request(raw.replace(b'"stream":true', b'"stream":false'), LIMITS)
@@ -92,6 +105,11 @@ def test_client_logprobs_and_usage_are_forwarded() -> None:
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "stop": ["s"] * 33}, "stop"),
         ({"prompt": "x", "seed": 1.5}, "seed"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "temperature": True}, "temperature"),
+        ({"prompt": "x", "top_p": "1"}, "top_p"),
     ],
 )
 def test_invalid_requests_name_the_field(body: dict, param: str) -> None:
@@ -100,10 +118,45 @@ def test_invalid_requests_name_the_field(body: dict, param: str) -> None:
     assert exc.value.status == 400 and exc.value.param == param
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_p", 0.5),
+        ("top_k", 20),
+        ("min_p", 0.05),
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -0.5),
+        ("repetition_penalty", 1.05),
+        ("logit_bias", {"42": 5}),
+    ],
+)
+def test_distribution_reshaping_controls_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ApiError) as exc:
+        parse_completion_request(orjson.dumps({"prompt": "x", field: value}), LIMITS)
+    err = exc.value
+    assert (err.status, err.param, err.code) == (400, field, "unsupported_sampling_parameter")
+    assert f"`{field}`" in err.message and "trainer cannot reproduce" in err.message
+
+
+def test_neutral_controls_are_accepted_and_temperature_is_pinned() -> None:
+    neutral = {"top_p": 1, "top_k": -1, "min_p": 0, "frequency_penalty": 0, "presence_penalty": 0.0}
+    req = parse_completion_request(orjson.dumps({"prompt": "x", "seed": 7, "logit_bias": {}, **neutral}), LIMITS)
+    up = orjson.loads(upstream_body(req, "m"))
+    assert (up["temperature"], up["seed"], up["top_k"], up["top_p"]) == (1.0, 7, 0, 1.0)  # OpenAI default, explicit
+    # vLLM's greedy range (< 1e-5) is sent and recorded as exactly 0 (feedback audits it); the rest as asked
+    for asked, sent in ((0, 0.0), (1e-6, 0.0), (1e-5, 1e-5), (0.01, 0.01), (0.7, 0.7), (2, 2.0)):
+        req = parse_completion_request(orjson.dumps({"prompt": "x", "temperature": asked}), LIMITS)
+        assert orjson.loads(upstream_body(req, "m"))["temperature"] == sent
+        assert sampling_record(req)["temperature"] == sent
+        assert SamplingParams(temperature=sent).greedy == (sent == 0.0)
+        floored = with_exploration(req, 0.7)  # routed traffic: the floor lifts greedy requests too
+        assert sampling_record(floored)["temperature"] == max(sent, 0.7)
+
+
 # --- routing ------------------------------------------------------------------------------------------------------
 def test_user_hash_is_deterministic_and_hides_the_key() -> None:
-    assert user_hash("sk-1", "u") == user_hash("sk-1", "u") != user_hash("sk-1", "v")
-    assert "sk-1" not in user_hash("sk-1", "u")
+    assert user_hash("sk-1") == user_hash("sk-1") != user_hash("sk-2")
+    assert "sk-1" not in user_hash("sk-1")
 
 
 def test_canary_share_splits_users_deterministically() -> None:
@@ -121,7 +174,7 @@ def test_canary_share_splits_users_deterministically() -> None:
 def test_pin_overrides_and_base_is_version_zero() -> None:
     u = user_hash("k")
     assert choose(PolicyTable(stable=3, candidate=4, canary_share=1.0, pinned=2), u) == ("pinned", 2)
-    assert choose(PolicyTable(), u) == ("base", 0)
+    assert choose(PolicyTable(), u) == ("stable", 0)  # the base model as stable is arm stable: the canary reads it
 
 
 def test_route_falls_back_to_newest_loaded_below() -> None:
@@ -131,7 +184,7 @@ def test_route_falls_back_to_newest_loaded_below() -> None:
     assert newest_loaded_at_most(1, {0, 2}) == 0
     r = route(PolicyTable(stable=5), u, {0, 3})
     assert (r.arm, r.version, r.routed_version) == ("stable", 3, 5)
-    assert route(PolicyTable(stable=5), u, {0}).arm == "base"
+    assert route(PolicyTable(stable=5), u, {0}).arm == "stable"
 
 
 def test_model_names_round_trip() -> None:
@@ -254,6 +307,7 @@ def test_vllm_argv_and_env() -> None:
     cfg = from_mapping(
         {
             "model": {"servedName": "base", "maxModelLen": 4096},
+            "trainer": {"maxSeqLen": 4096},  # validated: >= model.maxModelLen
             "serving": {"lora": {"maxRank": 32, "maxLoras": 6}, "vllmArgs": ["--seed", "1"]},
         }
     )
@@ -261,7 +315,8 @@ def test_vllm_argv_and_env() -> None:
     joined = " ".join(argv)
     assert "-m vllm.entrypoints.openai.api_server --model /m --served-model-name base --host 127.0.0.1" in joined
     assert "--port 9001 --dtype float32 --max-model-len 4096" in joined
-    assert "--enable-lora --max-lora-rank 32 --max-loras 6" in joined and argv[-2:] == ["--seed", "1"]
+    assert "--enable-lora --max-lora-rank 32 --max-loras 6" in joined and argv[-4:-2] == ["--seed", "1"]
+    assert argv[-2:] == ["--logprobs-mode", "processed_logprobs"]  # last: serving.vllmArgs cannot turn it off
     env = vllm_env(cfg, cpu=True)
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and int(env["VLLM_MAX_STOP_STRINGS"]) >= 12
     assert "VLLM_SERVER_DEV_MODE" not in env and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
@@ -282,4 +337,5 @@ def test_exploration_floor_raises_only_lower_temperatures() -> None:
     hot = CompletionRequest(prompt="p", max_tokens=4, stream=True, stop=[], sampling={"temperature": 1.2})
     assert with_exploration(hot, 0.7).sampling["temperature"] == 1.2
     default = CompletionRequest(prompt="p", max_tokens=4, stream=True, stop=[], sampling={})
-    assert with_exploration(default, 0.7) is default  # vLLM's default temperature is 1.0
+    assert with_exploration(default, 0.7) is default  # the default temperature is 1.0
+    assert sampling_record(default)["temperature"] == 1.0  # recorded as sent, never null

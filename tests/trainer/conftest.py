@@ -25,7 +25,7 @@ def trainer_config(checkpoint_dir: Path, redis_url: str, model_path: Path, **tra
         "batchSize": 8,
         "microBatchSize": 8,
         "batchTimeoutSeconds": 0.5,
-        "maxSeqLen": 128,
+        "maxSeqLen": 256,  # >= model.maxModelLen (validated); rows are padded to the batch's longest, not to this
         "lora": {"r": 8, "alpha": 16},
         "checkpoint": {"everySteps": 1, "keep": 100},
         "algorithm": {"learningRate": 1e-3},
@@ -38,7 +38,7 @@ def trainer_config(checkpoint_dir: Path, redis_url: str, model_path: Path, **tra
     return from_mapping(
         {
             "job": JOB,
-            "model": {"path": str(model_path)},
+            "model": {"path": str(model_path), "maxModelLen": 256},
             "redis": {"url": redis_url},
             "storage": {"checkpointDir": str(checkpoint_dir)},
             "trainer": base,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
-from onlinerl_trainer.batching import StreamSample, collate, fit_to_length, staleness_action
 
 from onlinerl.schemas import TrainingSample
+from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
+from onlinerl_trainer.batching import StreamSample, collate, fit_to_length, staleness_action
 
 
 def test_batch_and_no_baseline():
@@ -73,9 +73,26 @@ def test_collate_left_pads_and_aligns_completion_targets():
     assert mb.input_ids.tolist() == [[5, 4]] and mb.completion_mask.tolist() == [[1]]
 
 
-def test_fit_to_length_drops_oldest_prompt_tokens_first():
-    assert fit_to_length([1, 2, 3, 4], [5, 6], [-1, -2], 4) == ([3, 4], [5, 6], [-1, -2])
-    assert fit_to_length([1, 2], [5, 6, 7, 8], [-1, -2, -3, -4], 3) == ([2], [5, 6], [-1, -2])
+def test_fit_to_length_never_cuts_a_row():
+    assert fit_to_length([1, 2, 3, 4], [5, 6], [-1, -2], 6) == ([1, 2, 3, 4], [5, 6], [-1, -2])  # exactly at the limit
+    with pytest.raises(ValueError, match="exceeds max_len 5: never cut"):
+        fit_to_length([1, 2, 3, 4], [5, 6], [-1, -2], 5)
+    row = StreamSample(
+        "1-0",
+        TrainingSample(
+            event_id="e",
+            rollout_id="r",
+            tenant="t",
+            policy_version=0,
+            prompt_token_ids=[1, 2, 3],
+            completion_token_ids=[4],
+            behaviour_logprobs=[-0.5],
+            reward=1.0,
+            accepted=True,
+        ),
+    )
+    with pytest.raises(ValueError, match="never cut"):
+        collate([row], max_len=3, pad_id=0)
 
 
 def test_staleness_rule():

@@ -12,6 +12,11 @@ import sys
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
+
+from onlinerl.keys import SAMPLES_GROUP, Keys
+from onlinerl.procs import Child, wait_for
+from onlinerl.valkey import free_port
 from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
 from onlinerl_trainer.batching import collate
 from onlinerl_trainer.engine_torch import TorchEngine
@@ -20,11 +25,6 @@ from onlinerl_trainer.ranks import Ranks, ranks_from_env, shard_slices
 from onlinerl_trainer.stream import DEFAULT_CONSUMER
 from onlinerl_trainer.trainer import _pad_id
 from onlinerl_trainer.update import ppo_update
-from safetensors.torch import load_file
-
-from onlinerl.keys import SAMPLES_GROUP, Keys
-from onlinerl.procs import Child, wait_for
-from onlinerl.valkey import free_port
 
 from .conftest import JOB, trainer_config, xadd_samples
 from .test_deepspeed import batch_of

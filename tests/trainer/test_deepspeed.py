@@ -10,14 +10,14 @@ import math
 
 import pytest
 import torch
+
+from onlinerl.keys import Keys
 from onlinerl_trainer.batching import StreamSample, collate
 from onlinerl_trainer.engine_deepspeed import DeepSpeedEngine
 from onlinerl_trainer.engine_torch import TorchEngine
 from onlinerl_trainer.policy import load_policy
 from onlinerl_trainer.trainer import Trainer
 from onlinerl_trainer.update import ppo_update
-
-from onlinerl.keys import Keys
 
 from .conftest import JOB, make_sample, trainer_config, xadd_samples
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from onlinerl_trainer.trainer import Trainer
 from transformers import AutoModelForCausalLM
+
+from onlinerl_trainer.trainer import Trainer
 
 from .conftest import make_sample, trainer_config, xadd_samples
 

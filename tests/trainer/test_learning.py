@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from onlinerl_trainer.batching import StreamSample, collate
-from onlinerl_trainer.trainer import NonFiniteWeightsError, Trainer
-from onlinerl_trainer.update import completion_logprobs
 from transformers import AutoTokenizer
 
 from onlinerl.keys import SAMPLES_GROUP, Keys
 from onlinerl.schemas import CheckpointManifest
+from onlinerl_trainer.batching import StreamSample, collate
+from onlinerl_trainer.trainer import NonFiniteWeightsError, Trainer
+from onlinerl_trainer.update import completion_logprobs
 
 from .conftest import JOB, make_sample, stream_ids, trainer_config, xadd_samples
 

@@ -6,10 +6,12 @@ import math
 
 import pytest
 import torch
+
 from onlinerl_trainer.loss import (
     kl_penalty,
     masked_aggregate,
     ppo_loss,
+    tempered,
     token_entropy,
     token_logprobs,
     truncated_is_weight,
@@ -144,6 +146,23 @@ def test_token_logprobs_and_approx_kl():
     # approx_kl is k3 of (old || new): ratio 2 -> (2 - 1) - ln 2
     _, _, stats = one_token(2.0, 1.0)
     assert stats["approx_kl"] == pytest.approx(1 - math.log(2))
+
+
+def test_tempered_logprobs_are_per_row_and_match_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 11) * 3  # [B, T, V]
+    targets = torch.randint(0, 11, (3, 4))
+    temps = torch.tensor([1.0, 0.7, 0.01])
+    lp = token_logprobs(tempered(logits, temps), targets)
+    for i, t in enumerate(temps.tolist()):
+        want = torch.log_softmax(logits[i] / t, -1).gather(-1, targets[i].unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(lp[i], want, atol=1e-6)
+    greedy = logits.argmax(-1)  # at T = 0.01 the argmax token has mu ~ 1 (these logits have gaps >> 0.01)
+    assert float(token_logprobs(tempered(logits, temps), greedy)[2].min()) > -1e-3
+    assert torch.equal(tempered(logits, None), logits) and torch.equal(tempered(logits, 1.0), logits)
+    assert torch.allclose(tempered(logits, 0.5), logits * 2)
+    # the untempered evaluation of a T = 0.01 sample is not mu: the ratio would be far from 1 on-policy
+    assert float(token_logprobs(logits, greedy)[2].min()) < -1e-2
 
 
 def test_masked_aggregate_rejects_unknown_mode():

@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import torch
 import yaml
-from onlinerl_trainer.checkpoint import CheckpointStore
-from onlinerl_trainer.trainer import Trainer
 
 from onlinerl.keys import SAMPLES_GROUP, Keys
 from onlinerl.procs import Child, python_module, wait_for
 from onlinerl.valkey import free_port
+from onlinerl_trainer.checkpoint import CheckpointStore
+from onlinerl_trainer.trainer import Trainer
 
 from .conftest import JOB, make_sample, stream_ids, trainer_config, xadd_samples
 

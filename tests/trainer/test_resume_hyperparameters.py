@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from onlinerl_trainer.engine_torch import TorchEngine
 from onlinerl_trainer.policy import load_policy
 

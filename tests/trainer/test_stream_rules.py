@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 
-from onlinerl_trainer.batching import StreamSample
-from onlinerl_trainer.trainer import Trainer
-
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyVersionState
+from onlinerl_trainer.batching import StreamSample
+from onlinerl_trainer.trainer import Trainer
 
 from .conftest import JOB, make_sample, stream_ids, trainer_config, xadd_samples
 
@@ -70,7 +69,8 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     redis_client.xadd(KEYS.samples, {"data": b"{not json"})
     xadd_samples(redis_client, [bad_len])
     assert trainer.train_on(trainer.collect()) is None
-    assert counter(trainer, "onlinerl_trainer_invalid_samples_total") == 2
+    assert counter(trainer, 'onlinerl_trainer_invalid_samples_total{reason="undecodable"}') == 1
+    assert counter(trainer, 'onlinerl_trainer_invalid_samples_total{reason="length_mismatch"}') == 1
     assert stream_ids(redis_client) == set()
 
     # Staleness at v5 with maxVersions 1: v3 samples are dropped (acked at once), v4 samples are trained.

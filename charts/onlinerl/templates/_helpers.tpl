@@ -69,3 +69,26 @@ true
 {{- define "onlinerl.redisSecretName" -}}
 {{- default (include "onlinerl.redisFullname" .) .Values.redis.auth.existingSecret -}}
 {{- end -}}
+
+{{/*
+Redis maxmemory: redis.maxmemory when set, else 75 % of the container's memory limit (else request) in bytes, which
+leaves room for the AOF rewrite's fork. Policy is noeviction: at the limit writes fail, samples are never evicted.
+*/}}
+{{- define "onlinerl.redisMaxmemory" -}}
+{{- $r := .Values.redis -}}
+{{- if $r.maxmemory -}}
+{{- $r.maxmemory -}}
+{{- else -}}
+{{- $res := $r.resources | default dict -}}
+{{- $mem := toString (or (($res.limits | default dict).memory) (($res.requests | default dict).memory) "") -}}
+{{- if $mem -}}
+{{- $num := regexFind "^[0-9]+" $mem -}}
+{{- $unit := trimPrefix $num $mem -}}
+{{- $factors := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- if or (not $num) (not (hasKey $factors $unit)) -}}
+{{- fail (printf "redis.resources memory %q: use an integer with Ki/Mi/Gi/Ti/k/M/G/T, or set redis.maxmemory" $mem) -}}
+{{- end -}}
+{{- div (mul (int64 $num) (index $factors $unit) 3) 4 -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}

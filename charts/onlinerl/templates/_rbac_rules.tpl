@@ -1,6 +1,7 @@
 {{/*
 Rules in the namespaces that hold OnlineRLJobs. Keep in sync with operator/rbac.yaml (tests/chart compares them).
-No wildcard verbs or resources; secrets are read-only (auth keys and the Redis URL are user-provided).
+No wildcard verbs or resources; secrets are read and created only (the generated Redis password of a job), never
+patched, listed or deleted.
 */}}
 {{- define "onlinerl.jobRules" -}}
 - apiGroups: [onlinerl.dev]
@@ -13,13 +14,13 @@ No wildcard verbs or resources; secrets are read-only (auth keys and the Redis U
 - apiGroups: [onlinerl.dev]
   resources: [onlinerljobs/finalizers]
   verbs: [update]
-# Children are read and written by name only: no list/watch on them, and Secrets are only read by name.
+# Children are read and written by name only: no list/watch on them; Secrets are only read or created by name.
 - apiGroups: [""]
   resources: [configmaps, services, persistentvolumeclaims]
   verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [get, create]
 - apiGroups: [apps]
   resources: [deployments, statefulsets]
   verbs: [get, create, patch, delete]
@@ -27,7 +28,7 @@ No wildcard verbs or resources; secrets are read-only (auth keys and the Redis U
   resources: [jobs]
   verbs: [get, create, patch, delete]
 - apiGroups: [networking.k8s.io]
-  resources: [ingresses]
+  resources: [ingresses, networkpolicies]
   verbs: [get, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, podmonitors]

@@ -1,7 +1,8 @@
 """``python -m onlinerl_feedback``: serve the feedback API on ``feedback.host:feedback.port``.
 
 Configuration comes from ``onlinerl.config.load_config`` (``--config``/``$ONLINERL_CONFIG`` + ``ONLINERL__*``).
-Redis is ``redis.url`` (``--redis-url`` overrides it); keys come from ``auth.apiKeysFile``.
+Redis is ``redis.url`` (``--redis-url`` overrides it); keys come from ``auth.apiKeysFile``; the tokenizer (for the
+join's byte table) from ``model.path`` or the bootstrapped SmolLM2, and start-up fails without it.
 
 With ``feedback.workers`` > 1 (or ``--workers``) uvicorn's supervisor runs that many processes on one shared socket.
 Each worker rebuilds the app from the same command line (passed in ``$ONLINERL_FEEDBACK_ARGV``), and metrics switch
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from onlinerl.auth import AuthConfigError, KeyRing
 from onlinerl.config import ConfigError, OnlineRLConfig, load_config
+from onlinerl.model import ModelError, resolve_model_path
+from onlinerl.tokens import TokenTable, TokenTableError, load_token_table
 
 from .metrics import MULTIPROC_ENV  # read by prometheus_client at import: set before any worker starts
 
@@ -45,6 +48,7 @@ class Settings:
     keyring: KeyRing
     redis_url: str
     args: argparse.Namespace
+    table: TokenTable
 
     @property
     def workers(self) -> int:
@@ -66,7 +70,16 @@ def load_settings(argv: list[str]) -> Settings:
         keyring = KeyRing(allow_anonymous=True)
     else:
         raise ConfigError("auth.apiKeysFile is empty and auth.allowAnonymous is false: nobody could submit")
-    return Settings(cfg, keyring, redis_url, args)
+    return Settings(cfg, keyring, redis_url, args, token_table(cfg))
+
+
+def token_table(cfg: OnlineRLConfig) -> TokenTable:
+    """The served model's token byte table, which the join cuts samples with: without it no start, since a guessed
+    cut would train on tokens the user never saw."""
+    try:
+        return load_token_table(resolve_model_path(cfg.model.path))
+    except (ModelError, TokenTableError) as exc:
+        raise ConfigError(f"model.path: cannot load the tokenizer the feedback join needs: {exc}") from None
 
 
 def worker_app():
@@ -74,7 +87,7 @@ def worker_app():
     from .app import create_app
 
     s = load_settings(json.loads(os.environ[ARGV_ENV]))
-    return create_app(s.cfg, s.keyring, s.redis_url)
+    return create_app(s.cfg, s.keyring, s.redis_url, s.table)
 
 
 @contextmanager
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.workers == 1:
         from .app import create_app
 
-        uvicorn.run(create_app(settings.cfg, settings.keyring, settings.redis_url), **common)
+        uvicorn.run(create_app(settings.cfg, settings.keyring, settings.redis_url, settings.table), **common)
         return 0
     os.environ[ARGV_ENV] = json.dumps(argv)
     with multiprocess_metrics_dir():

@@ -32,6 +32,7 @@ from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig
 from onlinerl.keys import Keys
 from onlinerl.schemas import CompletionOutcome
+from onlinerl.tokens import TokenTable
 
 from .backlog import BacklogMonitor
 from .decide import ACCEPTED, DUPLICATE, REJECTED, UNMATCHED, decide
@@ -134,7 +135,7 @@ def parse_event(body: bytes) -> CompletionOutcome:
         raise Reject(422, "invalid_field", f"field {field!r}: {first['msg']}", param=field) from None
 
 
-def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI:
+def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: TokenTable) -> FastAPI:
     fb = cfg.feedback
     keys = Keys(cfg.job)
     metrics = FeedbackMetrics()
@@ -152,7 +153,8 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
         writes.start()
         await monitor.refresh()
         monitor.start()
-        deps = Deps(FeedbackStore(reads, writes, keys, fb.dedupe_ttl_seconds), monitor, client)
+        store = FeedbackStore(reads, writes, keys, fb.dedupe_ttl_seconds, cfg.redis.rollout_ttl_seconds)
+        deps = Deps(store, monitor, client)
         app.state.deps = deps
         try:
             yield
@@ -234,9 +236,9 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
             )
         prompt = event_prompt(event, template)
         try:
-            records = await deps.store.rollouts(tenant, prompt)
-            decision = decide(event, tenant, prompt, records, fb)
-            result = await deps.store.append(tenant, event.completion_id, decision)
+            found = await deps.store.rollouts(tenant, prompt)
+            decision = decide(event, tenant, prompt, found.records, fb, rated=found.rated, table=table)
+            result = await deps.store.append(event, tenant, prompt, decision)
         except (RedisUnavailable, RedisError, OSError) as exc:
             log.warning("redis unavailable: %s", exc)
             raise Reject(
@@ -249,7 +251,9 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str) -> FastAPI
         body = {"completion_id": event.completion_id, "tenant": tenant}
         if not result.new:
             metrics.events.labels(DUPLICATE, tenant).inc()
-            first = {"status": DUPLICATE, **body, "first_outcome": result.outcome, "entry_id": result.entry_id}
+            first = {"status": DUPLICATE, **body, **result.duplicate_fields()}
+            if "rollout_id" in decision.details:
+                first["rollout_id"] = decision.details["rollout_id"]
             return await reply(send, 200, first)
         metrics.events.labels(decision.status, tenant).inc()
         if decision.status == UNMATCHED or (decision.status == ACCEPTED and decision.reason):

@@ -1,7 +1,16 @@
 """From a validated event and the tenant's rollout records to what must be written: pure, no I/O.
 
-The result (:class:`Decision`) names the stream (samples or audit), the JSON entry, the stats counters to bump and the
-status the client will read. The store then writes it atomically; the HTTP layer only renders it.
+The result (:class:`Decision`) names the stream (samples or audit), the JSON entry, the stats counters to bump, the
+rollout it rates and the status the client will read. The store then writes it atomically; the HTTP layer only
+renders it.
+
+One served rollout is rated at most once, whatever the ``completionId`` (the client makes those up): the first event
+that joins it sets ``rated:{rollout_id}`` in the rollout's hash, in the same Lua script as its XADD (store.py), and
+any later event that can only join rated rollouts is a ``duplicate``: audited, never trained, never counted.
+What is never trained, only audited: cache hits (Continue served them from its own cache; the gateway served nothing)
+and events that join an ``eval``-arm rollout (an evaluation asked for that version; it is not user traffic). An eval
+event still counts once, under ``stats:v{N}:eval`` only, so the evaluator's figures can be read back; the canary's
+arms (stable, candidate) never see it.
 """
 
 from __future__ import annotations
@@ -9,9 +18,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from onlinerl.arms import EVAL
 from onlinerl.config import FeedbackConfig
 from onlinerl.keys import prompt_digest
 from onlinerl.schemas import AuditEntry, CompletionOutcome, RolloutRecord, TrainingSample
+from onlinerl.tokens import TokenTable
 
 from .join import Join, common_prefix_join, find_join
 from .reward import is_empty_suggestion, reward_for
@@ -22,24 +33,53 @@ UNMATCHED = "unmatched"
 REJECTED = "rejected"
 OUTCOMES = (ACCEPTED, DUPLICATE, UNMATCHED, REJECTED)
 
+# Reasons of a `duplicate` reply: the completionId was recorded before, or the rollout it joins was already rated.
+COMPLETION_ID_SEEN = "completion_id_seen"
+ROLLOUT_ALREADY_RATED = "rollout_already_rated"
+# Reasons of a `rejected` (audited, never trained) event that was otherwise well formed.
+CACHE_HIT = "cache_hit"
+EVAL_ARM = "eval_arm"
+GREEDY = "greedy_sampling"  # temperature 0: no log-prob of a tempered softmax describes an argmax (schemas.py)
+NO_SHOWN_TOKENS = "no_shown_tokens"
+
 AUDIT_TEXT_LIMIT = 4096  # audit keeps the shown text for inspection, capped so a hostile client cannot bloat it
+
+Counters = tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
 class Decision:
     """What to append for one event, and what to tell the client once Redis acknowledged it."""
 
-    status: str  # accepted_for_training | unmatched | rejected
+    status: str  # accepted_for_training | duplicate | unmatched | rejected
     to_samples: bool
     entry: bytes  # TrainingSample or AuditEntry JSON
-    reason: str = ""  # join miss (no_rollout, text_mismatch) or rejection reason
-    stats: tuple[str, ...] = ()  # counters of stats:v{N}:{arm}
+    reason: str = ""  # join miss (no_rollout, text_mismatch), rejection or duplicate reason
+    counters: Counters = ()  # (field, amount) of stats:v{N}:{arm}, bumped once with the append
     version: int | None = None
     arm: str = ""
     details: dict = field(default_factory=dict)  # extra reply fields (rollout_id, match, reward, tokens)
+    rates: str = ""  # rollout_id this event rates (sets its rated mark); "" = rates none
+    first: str = ""  # duplicate only: "<outcome> <entry id>" of the event that rated the rollout
+
+    @property
+    def stats(self) -> tuple[str, ...]:
+        """Names of the counters bumped (the metrics mirror them)."""
+        return tuple(name for name, _ in self.counters)
 
 
-def _audit(event: CompletionOutcome, tenant: str, prompt: str, status: str, reason: str, now: float) -> bytes:
+def audit_entry(
+    event: CompletionOutcome,
+    tenant: str,
+    prompt: str,
+    status: str,
+    reason: str,
+    now: float,
+    rollout_id: str = "",
+    first: str = "",
+) -> bytes:
+    """The audit stream's record of an event that is not trained on (``first``: what a duplicate repeats)."""
+    first_outcome, _, first_entry_id = first.partition(" ")
     return AuditEntry(
         event_id=event.completion_id,
         tenant=tenant,
@@ -49,14 +89,22 @@ def _audit(event: CompletionOutcome, tenant: str, prompt: str, status: str, reas
         completion=event.completion[:AUDIT_TEXT_LIMIT],
         prompt_digest=prompt_digest(prompt),
         received_at=now,
+        rollout_id=rollout_id,
+        first_outcome=first_outcome,
+        first_entry_id=first_entry_id,
     ).to_json()
 
 
-def _stats_fields(event: CompletionOutcome) -> tuple[str, ...]:
-    """Counters a rated, server-produced completion bumps. An empty suggestion is not 'shown' (nothing to accept)."""
+def stats_counters(event: CompletionOutcome) -> Counters:
+    """Counters a rated, server-produced completion bumps. An empty suggestion is not 'shown' (nothing to accept).
+    ``shown_chars``/``accepted_chars`` add the shown text's length in characters (Unicode code points), so the
+    rollout guardrails can tell a policy that gets accepted more by saying less."""
     if is_empty_suggestion(event.completion):
-        return ("empty",)
-    return ("shown", "accepted" if event.accepted else "rejected")
+        return (("empty", 1),)
+    chars = len(event.completion)
+    if event.accepted:
+        return (("shown", 1), ("accepted", 1), ("shown_chars", chars), ("accepted_chars", chars))
+    return (("shown", 1), ("rejected", 1), ("shown_chars", chars))
 
 
 def _sample(event: CompletionOutcome, tenant: str, joined: Join, reward: float, match: str, now: float) -> bytes:
@@ -80,6 +128,38 @@ def _sample(event: CompletionOutcome, tenant: str, joined: Join, reward: float, 
     ).to_json()
 
 
+def duplicate(
+    event: CompletionOutcome, tenant: str, prompt: str, reason: str, first: str, rollout_id: str = "", now: float = 0.0
+) -> Decision:
+    """An event that repeats one already counted: audited (with what it repeats), nothing trained, nothing counted."""
+    now = now or time.time()
+    first_outcome, _, first_entry_id = first.partition(" ")
+    details = {"first_outcome": first_outcome, "entry_id": first_entry_id}
+    if rollout_id:
+        details["rollout_id"] = rollout_id
+    return Decision(
+        DUPLICATE,
+        False,
+        audit_entry(event, tenant, prompt, DUPLICATE, reason, now, rollout_id, first),
+        reason,
+        details=details,
+        first=first,
+    )
+
+
+def _best_unrated(
+    own: list[RolloutRecord], rated: dict[str, str], shown: str, tenant: str, table: TokenTable | None
+) -> Join | None:
+    """The join among rollouts not rated yet: user traffic first, then eval (the same text may have been served to
+    both; an event then most likely belongs to the user's rollout, and either way each rollout counts once)."""
+    unrated = [r for r in own if r.rollout_id not in rated]
+    user = [r for r in unrated if r.arm != EVAL]
+    joined = find_join(user, shown, tenant, table)
+    if joined is None and len(user) < len(unrated):
+        joined = find_join([r for r in unrated if r.arm == EVAL], shown, tenant, table)
+    return joined
+
+
 def decide(
     event: CompletionOutcome,
     tenant: str,
@@ -87,16 +167,29 @@ def decide(
     records: list[RolloutRecord],
     cfg: FeedbackConfig,
     now: float | None = None,
+    rated: dict[str, str] | None = None,
+    table: TokenTable | None = None,
 ) -> Decision:
-    """Join, reward and route one event (see docs/architecture.md, "Join rule")."""
+    """Join, reward and route one event (see docs/architecture.md, "Join rule"). ``rated``: rollout_id -> first
+    outcome of the rollouts of this prompt already rated when they were read (the append re-checks atomically);
+    ``table``: the served model's token byte table the join cuts with (join.py)."""
     now = time.time() if now is None else now
+    rated = rated or {}
+    if event.cache_hit:
+        return Decision(REJECTED, False, audit_entry(event, tenant, prompt, REJECTED, CACHE_HIT, now), CACHE_HIT)
     own = [r for r in records if r.tenant == tenant]
-    joined = find_join(own, event.completion, tenant)
+    joined = _best_unrated(own, rated, event.completion, tenant, table)
+    if joined is None and rated:
+        again = find_join([r for r in own if r.rollout_id in rated], event.completion, tenant, table)
+        if again is not None:
+            rid = again.record.rollout_id
+            return duplicate(event, tenant, prompt, ROLLOUT_ALREADY_RATED, rated[rid], rid, now)
     if joined is None:
         reason = "text_mismatch" if own else "no_rollout"
-        if cfg.train_unmatched and own:
-            newest = max(own, key=lambda r: r.created_at)
-            partial = common_prefix_join(newest, event.completion)
+        trainable = [r for r in own if r.rollout_id not in rated and r.arm != EVAL and not r.sampling.greedy]
+        if cfg.train_unmatched and trainable:
+            newest = max(trainable, key=lambda r: r.created_at)
+            partial = common_prefix_join(newest, event.completion, table)
             if partial.token_ids:
                 reward = reward_for(event.accepted, event.completion, cfg.reward)
                 return Decision(
@@ -112,24 +205,28 @@ def decide(
                         "reward": reward,
                         "tokens": len(partial.token_ids),
                     },
+                    rates=newest.rollout_id,
                 )
-        return Decision(UNMATCHED, False, _audit(event, tenant, prompt, UNMATCHED, reason, now), reason)
+        return Decision(UNMATCHED, False, audit_entry(event, tenant, prompt, UNMATCHED, reason, now), reason)
 
     r = joined.record
-    stats = _stats_fields(event)
+    counters = stats_counters(event)
     base = {"rollout_id": r.rollout_id, "policy_version": r.policy_version, "match": joined.match}
-    if not joined.token_ids:
-        # Server-produced and shown, but no whole generated token lies in the shown text: nothing to learn from.
-        reason = "no_shown_tokens"
+    if r.arm == EVAL or not joined.token_ids or r.sampling.greedy:
+        # eval: an evaluation's request, counted under its own arm only. No whole generated token in the shown text:
+        # server-produced and shown, but nothing to learn from. Greedy: served and shown, but its mu is no softmax
+        # the trainer can evaluate. Either way the rollout is rated and counted once.
+        reason = EVAL_ARM if r.arm == EVAL else NO_SHOWN_TOKENS if not joined.token_ids else GREEDY
         return Decision(
             REJECTED,
             False,
-            _audit(event, tenant, prompt, REJECTED, reason, now),
+            audit_entry(event, tenant, prompt, REJECTED, reason, now, r.rollout_id),
             reason,
-            stats,
+            counters,
             r.policy_version,
             r.arm,
             base,
+            rates=r.rollout_id,
         )
     reward = reward_for(event.accepted, event.completion, cfg.reward)
     return Decision(
@@ -137,8 +234,9 @@ def decide(
         True,
         _sample(event, tenant, joined, reward, joined.match, now),
         "",
-        stats,
+        counters,
         r.policy_version,
         r.arm,
         {**base, "reward": reward, "tokens": len(joined.token_ids)},
+        rates=r.rollout_id,
     )

@@ -12,6 +12,11 @@ which is most of what separates an accepted suggestion from a rejected one. A pr
 ``prompt + kept tokens`` identical to what the policy actually conditioned on, so the behaviour log-probs stay valid.
 Leading whitespace that Continue stripped is kept (the model produced it and the shown text was conditioned on it);
 everything after the terminator is dropped.
+
+The cut is computed from the token ids through the tokenizer's byte table (onlinerl/tokens.py), in bytes: a token
+is shown iff its last byte lies inside the shown text's bytes. vLLM's char ``text_offset`` (``token_offsets``) is not
+used: it drifts on any token holding part of a multi-byte character. Without a table no cut is safe (see
+``shown_token_count``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from onlinerl.schemas import RolloutRecord
+from onlinerl.tokens import TokenTable, shown_token_count
 
 MatchKind = Literal["exact", "prefix", "trimmed"]
 _RANK: dict[str, int] = {"exact": 0, "prefix": 1, "trimmed": 2}
@@ -65,36 +71,15 @@ def match_span(generated: str, shown: str) -> Span | None:
     return None
 
 
-def kept_token_count(
-    token_offsets: list[int], completion_len: int, span_end: int, n_tokens: int, terminator: bool = False
-) -> int:
-    """How many leading tokens end at or before ``span_end`` (token i covers [off[i], off[i+1]) or to the text end),
-    plus, with ``terminator``, the next token when the generation went on past the span (the one the display was cut
-    on), provided at least one whole token was shown.
-
-    Without usable offsets nothing can be cut safely: all tokens are kept only if the whole text was shown.
-    """
-    if len(token_offsets) != n_tokens:
-        return n_tokens if span_end >= completion_len else 0
-    kept = 0
-    for i in range(n_tokens):
-        token_end = token_offsets[i + 1] if i + 1 < n_tokens else completion_len
-        if token_end > span_end:
-            break
-        kept = i + 1
-    if terminator and 0 < kept < n_tokens:  # no whole token shown: nothing to attach a terminator to
-        kept += 1
-    return kept
-
-
-def cut_to_span(record: RolloutRecord, span: Span, terminator: bool = True) -> Join:
-    """The record with its token lists cut to the shown span and its terminator (see module doc)."""
+def cut_to_span(record: RolloutRecord, span: Span, table: TokenTable | None, terminator: bool = True) -> Join:
+    """The record with its token lists cut to the shown span and its terminator (see module doc), in bytes."""
     n = min(len(record.completion_token_ids), len(record.behaviour_logprobs))
-    k = kept_token_count(record.token_offsets, len(record.completion), span.end, n, terminator)
-    return Join(record, span, list(record.completion_token_ids[:k]), list(record.behaviour_logprobs[:k]))
+    ids = record.completion_token_ids[:n]
+    k = shown_token_count(table, ids, record.completion, span.end, terminator)
+    return Join(record, span, list(ids[:k]), list(record.behaviour_logprobs[:k]))
 
 
-def find_join(records: Iterable[RolloutRecord], shown: str, tenant: str) -> Join | None:
+def find_join(records: Iterable[RolloutRecord], shown: str, tenant: str, table: TokenTable | None) -> Join | None:
     """The best matching rollout of ``tenant`` for the shown text: exact > prefix > trimmed, then the most tokens
     kept, then the newest. Records of another tenant never match (defence in depth: keys are tenant-scoped)."""
     best: tuple[tuple[int, int, float], Join] | None = None
@@ -104,18 +89,18 @@ def find_join(records: Iterable[RolloutRecord], shown: str, tenant: str) -> Join
         span = match_span(record.completion, shown)
         if span is None:
             continue
-        joined = cut_to_span(record, span)
+        joined = cut_to_span(record, span, table)
         rank = (_RANK[span.match], -len(joined.token_ids), -record.created_at)
         if best is None or rank < best[0]:
             best = (rank, joined)
     return None if best is None else best[1]
 
 
-def common_prefix_join(record: RolloutRecord, shown: str) -> Join:
+def common_prefix_join(record: RolloutRecord, shown: str, table: TokenTable | None) -> Join:
     """For ``feedback.trainUnmatched`` only: the tokens of the longest common prefix of generated and shown text."""
     limit = 0
     for a, b in zip(record.completion, shown, strict=False):
         if a != b:
             break
         limit += 1
-    return cut_to_span(record, Span("prefix", 0, limit), terminator=False)  # a mismatch is no display cut
+    return cut_to_span(record, Span("prefix", 0, limit), table, terminator=False)  # a mismatch is no display cut

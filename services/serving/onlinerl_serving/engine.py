@@ -11,12 +11,15 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from onlinerl_serving.requests import MAX_STOP_SEQUENCES
-
 from onlinerl.config import OnlineRLConfig
 from onlinerl.procs import Child, python_module
+from onlinerl_serving.requests import MAX_STOP_SEQUENCES
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# Log-probs after temperature (and any other processor) instead of vLLM's default raw log_softmax(logits): the rollout
+# record's behaviour log-prob must be log mu(a), mu the distribution the token was sampled from. Appended after
+# serving.vllmArgs so a user flag cannot turn it off (argparse keeps the last value). The operator renders the same.
+BEHAVIOUR_LOGPROBS_ARGS = ("--logprobs-mode", "processed_logprobs")
 DEFAULT_ENGINE_PORT = 8001
 
 
@@ -69,7 +72,7 @@ def vllm_argv(
             "--max-loras",
             str(cfg.serving.lora.max_loras),
         ]
-    return argv + list(cfg.serving.vllm_args)
+    return argv + list(cfg.serving.vllm_args) + list(BEHAVIOUR_LOGPROBS_ARGS)
 
 
 def vllm_env(cfg: OnlineRLConfig, *, cpu: bool = True, kv_cache_gib: int = 1) -> dict[str, str]:

@@ -6,6 +6,7 @@ vLLM's own message, so the reloader can record why a version failed.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -67,8 +68,16 @@ class EngineAdmin:
         if resp.status_code != 200:
             raise EngineError(f"warm-up of {model}: HTTP {resp.status_code}: {resp.text[:500]}")
 
-    async def reload_full_weights(self, weights_path: str, timeout: float = 600.0) -> None:
-        """Full-weight mode over the dev routes: pause (drain), reload_weights from ``weights_path``, always resume."""
+    async def reload_full_weights(
+        self,
+        weights_path: str,
+        before_resume: Callable[[], Awaitable[None]] | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        """Full-weight mode over the dev routes: pause (drain), reload_weights from ``weights_path``, always resume.
+
+        ``before_resume`` runs only after a successful reload, while vLLM is still paused: whatever it records (the
+        version now held) is true before vLLM serves a single token with the new weights."""
         resp = await self._post("/pause", params={"mode": "wait"}, timeout=timeout)
         if resp.status_code != 200:
             raise EngineError(f"pause: HTTP {resp.status_code}: {resp.text[:500]}")
@@ -80,6 +89,8 @@ class EngineAdmin:
             )
             if resp.status_code != 200:
                 raise EngineError(f"reload_weights from {weights_path}: HTTP {resp.status_code}: {resp.text[:500]}")
+            if before_resume is not None:
+                await before_resume()
         finally:
             resume = await self._post("/resume", timeout=timeout)
             if resume.status_code != 200:

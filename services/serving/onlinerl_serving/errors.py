@@ -51,5 +51,16 @@ def unauthorized() -> ApiError:
     )
 
 
+def pin_forbidden(role: str) -> ApiError:
+    return ApiError(
+        403,
+        f"this API key has role {role!r}, which may not pin a policy version: drop the X-OnlineRL-Version header "
+        "to be routed, or use a key with role eval or admin (keys file: `{key: <key>, role: eval}`)",
+        type_="permission_error",
+        param="X-OnlineRL-Version",
+        code="version_pin_forbidden",
+    )
+
+
 def unavailable(message: str, retry_after: int) -> ApiError:
     return ApiError(503, message, type_="service_unavailable", code="engine_unavailable", retry_after=retry_after)

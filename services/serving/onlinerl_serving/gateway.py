@@ -18,8 +18,19 @@ from collections.abc import Coroutine
 from typing import Any
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from onlinerl.arms import EVAL, STABLE
+from onlinerl.asgi import ASGIApp, Receive, Scope, Send, with_hot_route
+from onlinerl.auth import KeyRing, bearer_token
+from onlinerl.config import OnlineRLConfig, load_config
+from onlinerl.keys import Keys
 from onlinerl_serving.capture import RolloutAccumulator, RolloutStore, client_view
-from onlinerl_serving.errors import ApiError, unauthorized, unavailable
+from onlinerl_serving.errors import ApiError, pin_forbidden, unauthorized, unavailable
 from onlinerl_serving.metrics import GatewayMetrics
 from onlinerl_serving.requests import (
     CompletionRequest,
@@ -33,22 +44,12 @@ from onlinerl_serving.routing import Route as PolicyRoute
 from onlinerl_serving.routing import choose, route, served_model_name, user_hash
 from onlinerl_serving.state import ServingState
 from onlinerl_serving.upstream import EnginePool, EngineUnavailable, UpstreamResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-
-from onlinerl.asgi import ASGIApp, Receive, Scope, Send, with_hot_route
-from onlinerl.auth import KeyRing, bearer_token
-from onlinerl.config import OnlineRLConfig, load_config
-from onlinerl.keys import Keys
+from onlinerl_serving.weights_gate import WeightsUnknown, weights_endpoint
 
 log = logging.getLogger("onlinerl.gateway")
 
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-UNIQUE_ID_HEADER = b"x-continue-unique-id"
 # Evaluation asks for one version explicitly (`onlinerl eval`, the rollout gate); recorded under arm "eval".
 VERSION_HEADER = b"x-onlinerl-version"
 
@@ -102,25 +103,21 @@ class Gateway:
         self.rollouts = RolloutStore(redis, self.keys, cfg.redis.rollout_ttl_seconds)
 
     # --- routing ------------------------------------------------------------------------------------------------
-    def pick(self, uhash: str, forced: int | None = None) -> tuple[PolicyRoute, str]:
+    def pick(self, uhash: str, forced: int | None = None, held: int | None = None) -> tuple[PolicyRoute, str]:
+        """``held``: full-weight mode, the version vLLM's one model holds while this request is in flight."""
         table = self.state.policy
         if forced is not None:
-            r = self._forced_route(forced)
-        elif self.cfg.serving.weights_mode == "full":  # one model in vLLM; its version is what the reloader loaded
+            r = self._forced_route(forced, held)
+        elif held is not None:  # full weights: everyone gets what vLLM holds; mid-switch it is still the stable one
             arm, wanted = choose(table, uhash)
-            v = self.state.weights_version
-            r = PolicyRoute("base" if v == 0 and arm == "stable" else arm, v, wanted)
+            r = PolicyRoute(arm if wanted == held else STABLE, held, wanted)
         else:
             r = route(table, uhash, self.state.loaded_versions())
         return r, served_model_name(self.cfg.job, self.cfg.model.served_name, r.version, self.cfg.serving.weights_mode)
 
-    def _forced_route(self, version: int) -> PolicyRoute:
+    def _forced_route(self, version: int, held: int | None = None) -> PolicyRoute:
         """The version an evaluation asked for, if this replica serves it (else 409: nothing is substituted)."""
-        available = (
-            {self.state.weights_version}
-            if self.cfg.serving.weights_mode == "full"
-            else {0, *self.state.loaded_versions()}
-        )
+        available = {held} if held is not None else {0, *self.state.loaded_versions()}
         if version not in available:
             raise ApiError(
                 409,
@@ -129,7 +126,7 @@ class Gateway:
                 code="version_not_loaded",
                 param="X-OnlineRL-Version",
             )
-        return PolicyRoute("eval", version, version)
+        return PolicyRoute(EVAL, version, version)
 
     # --- ASGI entry for POST /v1/completions --------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -138,17 +135,20 @@ class Gateway:
         self.metrics.inflight.inc()
         try:
             token = api_key_of(scope)
-            tenant = self.keyring.tenant_for(token)
-            if tenant is None:
+            identity = self.keyring.identity_for(token)
+            if identity is None:
                 tenant, code = "-", 401
                 raise unauthorized()
+            tenant = identity.tenant
+            forced = _forced_version(scope)
+            if forced is not None and not identity.may_pin:
+                raise pin_forbidden(identity.role)
             req = parse_completion_request(await self._read_body(scope, receive), self.limits)
             if not self.state.redis_up:
                 raise unavailable(
                     "the rollout store (Redis) is unavailable; retry shortly", self.cfg.serving.retry_after_seconds
                 )
-            uhash = user_hash(token or "", _header(scope, UNIQUE_ID_HEADER) or req.user)
-            forced = _forced_version(scope)
+            uhash = user_hash(token or "")  # the authenticated key only: a client cannot pick its arm
             if forced is None:  # evaluation measures what users get at their own temperature
                 req = with_exploration(req, self.cfg.serving.exploration_temperature)
             code, arm, version = await self._complete(scope, receive, send, req, tenant, uhash, t0, forced)
@@ -234,7 +234,13 @@ class Gateway:
         created_at = time.time()
         rollout_id = uuid.uuid4().hex  # ours, known before the first byte: it goes in a response header
         for attempt in (0, 1):
-            r, model = self.pick(uhash, forced)
+            held = await self._enter_weights()
+            try:
+                r, model = self.pick(uhash, forced, held)
+            except BaseException:  # e.g. 409 for a version not held: release the gate's count at once
+                if held is not None:
+                    self.state.weights.leave()
+                raise
             self.inflight[model] += 1
             try:
                 overhead = time.perf_counter() - t0
@@ -271,7 +277,21 @@ class Gateway:
                 self.inflight[model] -= 1
                 if self.inflight[model] <= 0:
                     del self.inflight[model]
+                if held is not None:
+                    self.state.weights.leave()
         raise AssertionError("unreachable")
+
+    async def _enter_weights(self) -> int | None:
+        """Full-weight mode: wait out a weight switch, then hold the version until the request ends (weights_gate)."""
+        if self.cfg.serving.weights_mode != "full":
+            return None
+        try:
+            return await self.state.weights.enter(self.cfg.serving.request_timeout_seconds)
+        except WeightsUnknown:
+            raise unavailable(
+                "the model weights are being switched or are not known yet; retry shortly",
+                self.cfg.serving.retry_after_seconds,
+            ) from None
 
     async def _start_record(self, ctx: _Ctx, acc: RolloutAccumulator) -> Coroutine[Any, Any, None]:
         """Send the record's write and return once it is on the wire, before the client's ``[DONE]``.
@@ -511,7 +531,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        ok = gw.state.engine_up and gw.state.redis_up
+        ok = gw.state.engine_up and gw.state.redis_up and (cfg.serving.weights_mode != "full" or gw.state.weights.known)
         body = {
             "ready": ok,
             "engine": gw.state.engine_up,
@@ -562,6 +582,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
             Route("/metrics", metrics),
             Route("/engine/metrics", engine_metrics),
             Route("/internal/inflight", inflight),
+            Route("/internal/weights", weights_endpoint(gw.state.weights, LOOPBACK), methods=["GET", "POST"]),
         ],
         lifespan=lifespan,
     )

@@ -9,6 +9,15 @@
 4. unload versions no longer wanted once the gateway reports none of their requests in flight (or after
    ``serving.drainTimeoutSeconds``); the directory is left alone (the trainer deletes only ``retired`` versions);
 5. every tick compares vLLM's model list with what it should hold: a restarted vLLM gets its versions back.
+
+The direct raise is one Lua script that refuses while the table holds a manual decision (``hold``, set by
+``onlinerl policy rollback`` / ``pin``, cleared by ``resume``), while ``paused``, and for a version the rollout
+rolled back: a human's rollback survives any reload, reloader restart or vLLM restart.
+
+Full-weight mode (``serving.weightsMode: full``) holds one version: the one the policy table gives this replica
+(pinned, else stable; under ``direct`` stable is raised first). Changing it: tell the gateway ``switching`` (it stops
+sending and drains), pause vLLM, reload the weights (the base model's for v0), record ``weights_version`` while still
+paused, resume, warm up, tell the gateway ``serving`` vN. Requests are thus labelled with the version that serves them.
 """
 
 from __future__ import annotations
@@ -21,10 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from onlinerl_serving.checkpoints import Announcement, CheckpointError, verify_checkpoint
-from onlinerl_serving.engine_admin import EngineAdmin, EngineError
-from onlinerl_serving.metrics import ReloaderMetrics
-from onlinerl_serving.routing import served_model_name
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -35,20 +40,35 @@ from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.holds import active_holds
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable, PolicyVersionState
+from onlinerl_serving.checkpoints import Announcement, CheckpointError, verify_checkpoint
+from onlinerl_serving.engine_admin import EngineAdmin, EngineError
+from onlinerl_serving.metrics import ReloaderMetrics
+from onlinerl_serving.routing import served_model_name
 
 log = logging.getLogger("onlinerl.reloader")
 
 RELOADER_PORT = 8004
 
-# Raise policy.stable to ARGV[1] only if it is newer: two reloaders (replicas) may race; stable never goes back.
+# strategy direct: raise policy.stable (KEYS[1]) to ARGV[1] only if it is newer (replicas race; stable never goes
+# back), no manual decision holds the table, promotion is not paused, and the rollout (KEYS[2]) never rolled
+# ARGV[1] back. One script: a concurrent `onlinerl policy rollback` is either before (seen) or after (wins).
 _RAISE_STABLE = """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'stable') or '0') or 0
+local t = redis.call('HMGET', KEYS[1], 'stable', 'hold', 'paused')
+if t[2] and t[2] ~= '' then return -1 end
+if t[3] == '1' then return -2 end
+local verdict = redis.call('HGET', KEYS[2], ARGV[1])
+if verdict then
+  local ok, d = pcall(cjson.decode, verdict)
+  if ok and (d['state'] == 'rolled_back' or d['state'] == 'gate_failed') then return -3 end
+end
+local cur = tonumber(t[1] or '0') or 0
 if tonumber(ARGV[1]) > cur then
   redis.call('HSET', KEYS[1], 'stable', ARGV[1], 'updated_at', ARGV[2])
   return 1
 end
 return 0
 """
+_NOT_RAISED = {0: "not newer", -1: "a manual decision holds stable", -2: "promotion paused", -3: "rolled back before"}
 
 
 @dataclass
@@ -61,6 +81,7 @@ class Version:
     error: str = ""
     next_attempt: float = 0.0
     unwanted_since: float | None = None
+    verified: bool = False  # manifest checked in this life of the reloader (directories are immutable)
 
 
 @dataclass
@@ -90,7 +111,10 @@ class Reloader:
         self.versions: dict[int, Version] = {}
         self.last_id = "0-0"
         self.engine_seen_up = False
-        self.weights_version = 0  # full-weight mode: what vLLM's one model holds
+        self.holding: int | None = None  # full-weight mode: what vLLM's one model holds (None: not known)
+        self.base_next_attempt = 0.0  # full-weight mode: retry backoff for reloading the base model (v0)
+        self.base_failures = 0
+        self.last_raise: dict[str, Any] | None = None  # strategy direct: the last raise tried and its outcome
         self.last_tick = 0.0
         self.restarts_detected = 0
 
@@ -133,8 +157,6 @@ class Reloader:
         """Versions vLLM should hold, oldest first (so the newest is loaded, and made stable, last): the newest
         ``keepVersions``, the routed ones, and those an evaluation holds."""
         good = sorted(v for v, s in self.versions.items() if s.state != "failed")
-        if self.full:
-            return good[-1:]
         keep = set(good[-self.cfg.serving.keep_versions :])
         keep |= {
             v
@@ -152,15 +174,16 @@ class Reloader:
             if self.engine_seen_up:
                 log.warning("engine unreachable: %s", exc)
             self.engine_seen_up = False
-            return
-        if not self.engine_seen_up:
-            self.engine_seen_up = True
-            if self.full and self.weights_version:
-                log.warning("engine came back: reloading full weights v%d", self.weights_version)
-                self.versions[self.weights_version].state = "announced"
+            if self.full and self.holding is not None:  # a restarted vLLM holds the base weights, not ours
+                self.holding = None
                 self.restarts_detected += 1
-        if not self.full:
-            self._detect_lost_adapters(names)
+                await self._tell_gateway({"state": "unknown"})
+            return
+        self.engine_seen_up = True
+        if self.full:
+            await self._tick_full()
+            return
+        self._detect_lost_adapters(names)
         table = await self.policy()
         wanted = self.wanted(table, await self.holds())
         for v in wanted:
@@ -222,10 +245,7 @@ class Reloader:
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(verify_checkpoint, s.ann, self.cfg.job)
-            if self.full:
-                await self.admin.reload_full_weights(s.ann.path)
-            else:
-                await self.admin.load_lora(self.model_name(v), s.ann.path)
+            await self.admin.load_lora(self.model_name(v), s.ann.path)
             await self.admin.warm_up(self.model_name(v))
         except (CheckpointError, EngineError, OSError) as exc:
             await self._load_failed(v, str(exc))
@@ -234,23 +254,134 @@ class Reloader:
         self.metrics.reloads.labels("success").inc()
         self.metrics.last_reload.set(time.time())
         s.state, s.error, s.failures = "loaded", "", 0
-        if self.full:
-            for other, o in self.versions.items():
-                if other != v and o.state == "loaded":
-                    o.state = "retired"
-                    await self._save_state(other)
-            self.weights_version = v
         await self._save_state(v)
         status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
-        if self.full:
-            status["weights_version"] = str(v)
         await self.redis.hset(self.keys.reloader_status, mapping=status)
         if self.cfg.rollout.strategy == "direct":
-            raised = await self.redis.eval(_RAISE_STABLE, 1, self.keys.policy, str(v), repr(time.time()))
-            if raised:
-                log.info("policy.stable -> v%d", v)
+            await self._raise_stable(v)
         log.info("v%d loaded and warm in %.2fs", v, time.perf_counter() - t0)
         return True
+
+    async def _raise_stable(self, v: int) -> bool:
+        """strategy direct: make ``v`` stable unless the table forbids it (see ``_RAISE_STABLE``)."""
+        code = int(
+            await self.redis.eval(_RAISE_STABLE, 2, self.keys.policy, self.keys.rollout, str(v), repr(time.time()))
+        )
+        result = "raised" if code == 1 else _NOT_RAISED[code]
+        if code == 1:
+            log.info("policy.stable -> v%d", v)
+        elif code < 0 and self.last_raise != {"version": v, "result": result}:
+            log.info("v%d not made stable: %s", v, result)
+        self.last_raise = {"version": v, "result": result}
+        return code == 1
+
+    # --- full-weight mode -----------------------------------------------------------------------------------------
+    def full_target(self, table: PolicyTable) -> int:
+        """The version this replica must hold: pinned, else stable. One it cannot load (failed, never announced)
+        falls back to the newest good version below it, else the base model: serving never stops."""
+        want = table.pinned if table.pinned is not None else table.stable
+        return max((v for v, s in self.versions.items() if s.state != "failed" and v <= want), default=0)
+
+    async def _tick_full(self) -> None:
+        table = await self.policy()
+        if self.cfg.rollout.strategy == "direct":
+            newest = max((v for v, s in self.versions.items() if s.state != "failed"), default=0)
+            if newest > table.stable and await self._verify(newest) and await self._raise_stable(newest):
+                table = await self.policy()
+        target = self.full_target(table)
+        if target == self.holding:
+            await self._tell_gateway({"state": "serving", "version": target})  # a restarted gateway learns it here
+            return
+        retry_at = self.versions[target].next_attempt if target else self.base_next_attempt
+        if time.monotonic() >= retry_at:
+            await self._switch_full(target, table)
+
+    async def _verify(self, v: int) -> bool:
+        """Check v's manifest once per life (a failure counts as a load failure, with the same backoff)."""
+        s = self.versions[v]
+        if s.verified:
+            return True
+        if time.monotonic() < s.next_attempt:
+            return False
+        try:
+            await asyncio.to_thread(verify_checkpoint, s.ann, self.cfg.job)
+        except (CheckpointError, OSError) as exc:
+            await self._load_failed(v, str(exc))
+            return False
+        s.verified = True
+        return True
+
+    async def _switch_full(self, v: int, table: PolicyTable) -> bool:
+        """Make vLLM hold v (its directory, or the base model for v0) with the gateway drained around the swap."""
+        s = self.versions.get(v)
+        if s is not None and not await self._verify(v):
+            return False
+        path = s.ann.path if s is not None else self.cfg.model.path
+        if s is not None:
+            s.state = "loading"
+            await self._save_state(v)
+        t0 = time.perf_counter()
+        drain = self.cfg.serving.drain_timeout_seconds
+        told = await self._tell_gateway({"state": "switching", "drainTimeoutSeconds": drain}, timeout=drain + 10)
+        if told is not None and not told.get("drained"):
+            log.warning("gateway still has %s requests in flight after %.0fs: vLLM's pause drains them", told, drain)
+        previous, self.holding = self.holding, None
+
+        async def record_held() -> None:  # vLLM is still paused: nothing has been served by v yet
+            await self.redis.hset(self.keys.reloader_status, mapping={"weights_version": str(v)})
+
+        try:
+            await self.admin.reload_full_weights(path, before_resume=record_held)
+            await self.admin.warm_up(self.model_name(v))
+        except EngineError as exc:
+            await self._tell_gateway({"state": "unknown"})
+            await self.redis.hset(self.keys.reloader_status, mapping={"weights_version": ""})
+            if s is not None:
+                await self._load_failed(v, str(exc))
+            else:
+                self.base_failures += 1
+                self.base_next_attempt = time.monotonic() + self.opt.retry_backoff_seconds * 2 ** min(
+                    self.base_failures - 1, 6
+                )
+                self.metrics.reloads.labels("failure").inc()
+                log.error("reloading the base model's weights failed (retrying): %s", exc)
+            return False
+        self.holding, self.base_failures = v, 0
+        await self._tell_gateway({"state": "serving", "version": v})
+        self.metrics.duration.observe(time.perf_counter() - t0)
+        self.metrics.reloads.labels("success").inc()
+        self.metrics.last_reload.set(time.time())
+        self.metrics.loaded.set(1)
+        self.metrics.serving_version.set(v)
+        for other, o in self.versions.items():
+            if other != v and o.state == "loaded":
+                o.state = "retired"
+                await self._save_state(other)
+        if s is not None:
+            s.state, s.error, s.failures = "loaded", "", 0
+            await self._save_state(v)
+        status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
+        await self.redis.hset(self.keys.reloader_status, mapping=status)
+        log.info(
+            "full weights v%s -> v%d (pinned=%s stable=%d) in %.2fs",
+            previous,
+            v,
+            table.pinned,
+            table.stable,
+            time.perf_counter() - t0,
+        )
+        return True
+
+    async def _tell_gateway(self, body: dict[str, Any], timeout: float = 2.0) -> dict[str, Any] | None:
+        """Drive the gateway's weights gate (full-weight mode); None if the gateway does not answer (it then
+        knows nothing and waits: a restarted gateway is told at the next tick)."""
+        try:
+            resp = await self.gateway.post("/internal/weights", json=body, timeout=timeout)
+            resp.raise_for_status()
+            return resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("gateway not told %s: %s", body, exc)
+            return None
 
     async def _load_failed(self, v: int, error: str) -> None:
         s = self.versions[v]
@@ -305,11 +436,12 @@ class Reloader:
 
 
 def create_app(cfg: OnlineRLConfig, options: ReloaderOptions | None = None) -> Starlette:
-    import redis.asyncio as aioredis
+    from onlinerl.redisconn import connect_async
 
     if not cfg.redis.url:
         raise ValueError("redis.url is required for the reloader")
-    redis = aioredis.from_url(cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds)
+    # The blocking XREAD waits poll_seconds: the reply deadline stays above it (onlinerl.redisconn).
+    redis = connect_async(cfg.redis, longest_block_seconds=(options or ReloaderOptions()).poll_seconds)
     engine = httpx.AsyncClient(
         base_url=cfg.serving.engine_url, timeout=httpx.Timeout(60.0, connect=cfg.serving.engine_connect_timeout_seconds)
     )
@@ -326,6 +458,8 @@ def create_app(cfg: OnlineRLConfig, options: ReloaderOptions | None = None) -> S
             "ok": ok,
             "last_tick_age_s": age,
             "restarts_detected": reloader.restarts_detected,
+            "holding": reloader.holding,
+            "last_raise": reloader.last_raise,
             "versions": {v: s.state for v, s in sorted(reloader.versions.items())},
         }
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -4,6 +4,17 @@ Pure functions. The gateway accepts the OpenAI completions shape that Continue s
 stop list, ``max_tokens``, ``stream``) and refuses, with a 400 that names the field, what it cannot record faithfully
 (``n > 1``, ``best_of``, ``echo``, ``suffix``, a list of prompts). Fields the gateway does not know are ignored.
 Upstream it always asks for sampled-token log-probs and token ids: the rollout record needs them.
+
+Sampling controls: the trainer models the behaviour policy as mu = softmax(logits / T) of the served weights (see
+onlinerl_trainer.loss), and vLLM runs with ``--logprobs-mode processed_logprobs`` so its log-probs are under that mu.
+So a request may set ``temperature`` (and ``seed``) and nothing else that reshapes the distribution: ``top_p``,
+``top_k``, ``min_p``, the three penalties and ``logit_bias`` are accepted only at their neutral value and otherwise
+refused with a 400 naming the field. Every upstream body sets all of them explicitly (neutral), so a model's
+``generation_config.json`` defaults (vLLM applies them to unset fields) never change the distribution behind our back.
+Greedy: below vLLM's 1e-5 (:data:`onlinerl.schemas.GREEDY_BELOW`) vLLM takes the argmax, yet reports log-probs at
+T = 1: no tempered softmax describes that. Such a request is served greedily as asked (deterministic, what a T = 0
+client expects), sent and recorded as temperature 0, and the feedback service audits it instead of training it.
+On routed traffic ``serving.explorationTemperature`` raises it first, like any temperature below the floor.
 """
 
 from __future__ import annotations
@@ -12,11 +23,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
+
+from onlinerl.schemas import GREEDY_BELOW
 from onlinerl_serving.errors import ApiError, bad_request
 
-# Sampling fields forwarded to vLLM as given (after type checks).
-_FLOAT_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")
-_INT_FIELDS = ("seed", "top_k")
+MAX_TEMPERATURE = 2.0  # the OpenAI range
+# Controls the trainer cannot reproduce: the values that leave softmax(logits / T) unchanged. Always sent upstream.
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+_ALSO_NEUTRAL: dict[str, tuple[float | int, ...]] = {"top_k": (-1,)}  # vLLM's older "disabled" spelling
 MAX_LOGPROBS = 5
 MAX_STOP_SEQUENCES = 32
 
@@ -106,17 +127,7 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
     if len(stop) > MAX_STOP_SEQUENCES:
         raise bad_request(f"`stop` has {len(stop)} entries; at most {MAX_STOP_SEQUENCES}", param="stop")
 
-    sampling: dict[str, Any] = {}
-    for name in _FLOAT_FIELDS:
-        if body.get(name) is not None:
-            if not _is_number(body[name]):
-                raise bad_request(f"`{name}` must be a number", param=name, code="invalid_type")
-            sampling[name] = body[name]
-    for name in _INT_FIELDS:
-        if body.get(name) is not None:
-            if not isinstance(body[name], int) or isinstance(body[name], bool):
-                raise bad_request(f"`{name}` must be an integer", param=name, code="invalid_type")
-            sampling[name] = body[name]
+    sampling = _sampling(body)
 
     n = body.get("n", 1)
     if n not in (None, 1):
@@ -158,6 +169,48 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
     )
 
 
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The supported sampling fields (temperature, seed), checked; any other control must be absent or neutral."""
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0  # the OpenAI default, pinned: vLLM would otherwise take the model's generation_config
+    if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise bad_request(
+            f"`temperature` must be a number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}",
+            param="temperature",
+            code="invalid_value",
+        )
+    # vLLM's greedy range is sent as exactly 0: the record then says "greedy" and nobody guesses at 1e-6
+    sampling: dict[str, Any] = {"temperature": float(temperature) if temperature >= GREEDY_BELOW else 0.0}
+    seed = body.get("seed")
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise bad_request("`seed` must be an integer", param="seed", code="invalid_type")
+        sampling["seed"] = seed
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_number(value):
+            raise bad_request(f"`{name}` must be a number", param=name, code="invalid_type")
+        if value != neutral and value not in _ALSO_NEUTRAL.get(name, ()):
+            raise bad_request(
+                f"`{name}`={value!r} is not supported: completions are trained on, and the trainer cannot reproduce "
+                f"a distribution reshaped by `{name}` (it models softmax(logits / temperature) only). Omit it or send "
+                f"{neutral!r}; use `temperature` to control randomness",
+                param=name,
+                code="unsupported_sampling_parameter",
+            )
+    if body.get("logit_bias"):
+        raise bad_request(
+            "`logit_bias` is not supported: completions are trained on, and the trainer cannot reproduce a biased "
+            "distribution. Omit it",
+            param="logit_bias",
+            code="unsupported_sampling_parameter",
+        )
+    return sampling
+
+
 def upstream_body(req: CompletionRequest, served_model: str, stream_interval: int = 1) -> bytes:
     """The JSON body for vLLM: the client's request, routed to ``served_model``, asking for ids and log-probs
     (and, streaming, for tokens in groups of ``stream_interval`` after the first: serving.streamInterval)."""
@@ -169,7 +222,9 @@ def upstream_body(req: CompletionRequest, served_model: str, stream_interval: in
         "stop": req.stop,
         "logprobs": req.client_logprobs or 0,  # 0 = the sampled token's log-prob only: the behaviour policy
         "return_token_ids": True,
+        **NEUTRAL_SAMPLING,  # explicit, so no server-side default (generation_config) reshapes mu
         **req.sampling,
+        "temperature": _temperature(req),  # the value recorded by sampling_record, never vLLM's default
     }
     if req.include_usage:
         body["stream_options"] = {"include_usage": True}
@@ -180,25 +235,31 @@ def upstream_body(req: CompletionRequest, served_model: str, stream_interval: in
 
 def with_exploration(req: CompletionRequest, floor: float | None) -> CompletionRequest:
     """The request with its temperature raised to ``floor`` (serving.explorationTemperature), when that is higher."""
-    if (
-        floor is None
-        or (req.sampling.get("temperature") if req.sampling.get("temperature") is not None else 1.0) >= floor
-    ):
+    if floor is None or _temperature(req) >= floor:
         return req
-    return replace(req, sampling={**req.sampling, "temperature": floor})
+    return replace(req, sampling={**req.sampling, "temperature": float(floor)})
+
+
+def _temperature(req: CompletionRequest) -> float:
+    t = req.sampling.get("temperature")
+    if t is None:
+        return 1.0
+    return float(t) if t >= GREEDY_BELOW else 0.0
 
 
 def sampling_record(req: CompletionRequest) -> dict[str, Any]:
-    """The ``sampling`` part of the rollout record."""
+    """The ``sampling`` part of the rollout record: the temperature exactly as sent to vLLM (after the floor)."""
     return {
-        "temperature": req.sampling.get("temperature"),
-        "top_p": req.sampling.get("top_p"),
+        "temperature": _temperature(req),
+        "top_p": NEUTRAL_SAMPLING["top_p"],
         "max_tokens": req.max_tokens,
         "stop": list(req.stop),
     }
 
 
 __all__ = [
+    "MAX_TEMPERATURE",
+    "NEUTRAL_SAMPLING",
     "ApiError",
     "CompletionRequest",
     "Limits",

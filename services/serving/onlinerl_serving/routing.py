@@ -1,7 +1,8 @@
 """Policy routing: which version serves a user. Pure functions over the policy table and the loaded versions.
 
-Each user gets a deterministic point in [0, 1) from sha256(API key + Continue ``uniqueId``), so a user keeps the
-same arm while the canary share stays the same, and raising the share only moves users from stable to candidate.
+Each user gets a deterministic point in [0, 1) from sha256(API key), so a user keeps the same arm while the canary
+share stays the same, and raising the share only moves users from stable to candidate. The "user" is the
+authenticated key, never a client-sent id (``X-Continue-Unique-Id``, body ``user``): no client can choose its arm.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from onlinerl.arms import CANDIDATE, PINNED, STABLE, Arm
 from onlinerl.schemas import PolicyTable, adapter_name
 
 
-def user_hash(api_key: str, unique_id: str = "") -> str:
-    """Stable, non-reversible user id (the key itself never leaves the gateway)."""
-    return hashlib.sha256(f"{api_key}\0{unique_id}".encode()).hexdigest()[:32]
+def user_hash(api_key: str) -> str:
+    """Stable, non-reversible user id of an authenticated key (the key itself never leaves the gateway)."""
+    return hashlib.sha256(f"{api_key}\0".encode()).hexdigest()[:32]
 
 
 def user_point(uhash: str) -> float:
@@ -25,18 +27,19 @@ def user_point(uhash: str) -> float:
 
 @dataclass(frozen=True)
 class Route:
-    arm: str  # stable | candidate | pinned | base
+    arm: Arm  # stable (version 0 included) | candidate | pinned | eval
     version: int  # the version actually served
     routed_version: int  # what the table asked for (differs when it is not loaded here)
 
 
-def choose(table: PolicyTable, uhash: str) -> tuple[str, int]:
-    """``(arm, version)`` the policy table assigns to this user."""
+def choose(table: PolicyTable, uhash: str) -> tuple[Arm, int]:
+    """``(arm, version)`` the policy table assigns to this user. The base model as stable is arm ``stable`` too:
+    its feedback must count where the canary reads the stable arm."""
     if table.pinned is not None:
-        return "pinned", table.pinned
+        return PINNED, table.pinned
     if table.candidate is not None and table.canary_share > 0 and user_point(uhash) < table.canary_share:
-        return "candidate", table.candidate
-    return ("stable", table.stable) if table.stable > 0 else ("base", 0)
+        return CANDIDATE, table.candidate
+    return STABLE, table.stable
 
 
 def newest_loaded_at_most(version: int, loaded: Iterable[int]) -> int:
@@ -52,10 +55,7 @@ def newest_loaded_at_most(version: int, loaded: Iterable[int]) -> int:
 
 def route(table: PolicyTable, uhash: str, loaded: Iterable[int]) -> Route:
     arm, wanted = choose(table, uhash)
-    served = newest_loaded_at_most(wanted, loaded)
-    if served == 0 and arm == "stable":
-        arm = "base"
-    return Route(arm, served, wanted)
+    return Route(arm, newest_loaded_at_most(wanted, loaded), wanted)
 
 
 def served_model_name(job: str, base_name: str, version: int, weights_mode: str = "lora") -> str:

@@ -3,7 +3,9 @@
 * the policy table (Redis hash ``policy``), every ``policy_interval`` seconds;
 * the versions loaded in *this replica's* vLLM (``GET /v1/models``), every ``models_interval`` seconds, and at once
   when a request finds a model missing;
-* whether Redis and the engine answer, for ``/readyz`` and to fail fast with 503.
+* whether Redis and the engine answer, for ``/readyz`` and to fail fast with 503;
+* full-weight mode: the version vLLM's one model holds, told by this pod's reloader (:class:`WeightsGate`), never
+  read from Redis: a shared key cannot say what *this* vLLM holds at the moment a request is sent.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import time
 from typing import Any
 
 import orjson
-from onlinerl_serving.routing import version_of_model
-from onlinerl_serving.upstream import EnginePool, EngineUnavailable
 
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable
+from onlinerl_serving.routing import version_of_model
+from onlinerl_serving.upstream import EnginePool, EngineUnavailable
+from onlinerl_serving.weights_gate import WeightsGate
 
 log = logging.getLogger("onlinerl.gateway")
 
@@ -47,7 +50,7 @@ class ServingState:
         self.models_interval = models_interval
         self.policy = PolicyTable()
         self.loaded: frozenset[int] = frozenset()
-        self.weights_version = 0  # full-weight mode: the version vLLM's single model holds (from the reloader)
+        self.weights = WeightsGate()  # full-weight mode only
         self.redis_up = False
         self.engine_up = False
         self.policy_at = 0.0
@@ -55,12 +58,8 @@ class ServingState:
 
     async def refresh_policy(self) -> None:
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hgetall(self.keys.policy)
-            pipe.hget(self.keys.reloader_status, "weights_version")
-            raw, weights = await pipe.execute()
+            raw = await self.redis.hgetall(self.keys.policy)
             self.policy = PolicyTable.from_redis(raw) if raw else PolicyTable()
-            self.weights_version = int(weights or 0)
             self.redis_up = True
             self.policy_at = time.monotonic()
         except Exception as exc:
@@ -87,7 +86,7 @@ class ServingState:
 
     def loaded_versions(self) -> frozenset[int]:
         if self.weights_mode == "full":
-            return frozenset({self.weights_version})
+            return frozenset() if self.weights.version is None else frozenset({self.weights.version})
         return self.loaded
 
     async def _loop(self, fn: Any, interval: float) -> None:

@@ -16,16 +16,16 @@ import signal
 import sys
 import threading
 
-import redis
 import torch
+
+from onlinerl.config import ConfigError, load_config
+from onlinerl.model import ModelError, resolve_model_path
+from onlinerl.redisconn import connect as redis_connect
 from onlinerl_trainer.engine import choose_engine_name
 from onlinerl_trainer.metrics import MetricsServer, TrainerMetrics
 from onlinerl_trainer.ranks import Ranks, ranks_from_env
 from onlinerl_trainer.stream import DEFAULT_CONSUMER
 from onlinerl_trainer.trainer import NonFiniteWeightsError, Trainer
-
-from onlinerl.config import ConfigError, load_config
-from onlinerl.model import ModelError, resolve_model_path
 
 
 def main() -> int:
@@ -59,9 +59,8 @@ def main() -> int:
         signal.signal(sig, lambda *_: stop.set())
     metrics = TrainerMetrics()
     server = MetricsServer(metrics, "0.0.0.0", cfg.trainer.metrics_port).start()
-    client = redis.Redis.from_url(
-        cfg.redis.url, socket_connect_timeout=cfg.redis.connect_timeout_seconds, health_check_interval=30
-    )
+    # Blocking XREADGROUP waits at most Trainer.collect's poll (0.5 s): the reply deadline stays above it.
+    client = redis_connect(cfg.redis, longest_block_seconds=1.0, health_check_interval=30)
     try:
         trainer = Trainer(
             cfg,

@@ -37,6 +37,7 @@ class Batch:
     behaviour_logp: torch.Tensor  # [B, T-1] float: serving's log-prob of each target (0 off the mask)
     rewards: torch.Tensor  # [B]
     is_cap: torch.Tensor  # [B]: per-sequence cap on the importance weight (inf = none)
+    temperature: torch.Tensor  # [B] float: the sampling temperature; pi is evaluated as softmax(logits / T) (loss.py)
 
     @property
     def num_tokens(self) -> int:
@@ -64,21 +65,19 @@ class Batch:
             behaviour_logp=self.behaviour_logp[start:stop, -(length - 1) :],
             rewards=self.rewards[start:stop],
             is_cap=self.is_cap[start:stop],
+            temperature=self.temperature[start:stop],
         )
 
 
 def fit_to_length(
     prompt: list[int], completion: list[int], logprobs: list[float], max_len: int
 ) -> tuple[list[int], list[int], list[float]]:
-    """Cut a row to ``max_len`` tokens: drop the prompt's *oldest* tokens first (the code right before the cursor
-    matters most), then the completion's tail. At least one prompt token stays: the first completion token needs
-    a position to be predicted from."""
-    if len(prompt) + len(completion) <= max_len:
-        return prompt, completion, logprobs
-    keep_completion = min(len(completion), max_len - 1)
-    completion, logprobs = completion[:keep_completion], logprobs[:keep_completion]
-    keep_prompt = max(1, max_len - keep_completion)
-    return prompt[-keep_prompt:], completion, logprobs
+    """The row exactly as served, or ValueError when it is longer than ``max_len``. Never cut: dropping prompt tokens
+    would condition pi_theta on a context vLLM never saw (the ratio would not be 1 at step 0). The trainer drops and
+    counts such samples before batching (validation.py, reason ``too_long``); this is the last line of defence."""
+    if len(prompt) + len(completion) > max_len:
+        raise ValueError(f"row of {len(prompt)} + {len(completion)} tokens exceeds max_len {max_len}: never cut")
+    return prompt, completion, logprobs
 
 
 def collate(samples: Sequence[StreamSample], max_len: int, pad_id: int) -> Batch:
@@ -117,6 +116,7 @@ def collate(samples: Sequence[StreamSample], max_len: int, pad_id: int) -> Batch
             [s.stale_weight_cap if s.stale_weight_cap is not None else float("inf") for s in samples],
             dtype=torch.float32,
         ),
+        temperature=torch.tensor([s.sample.temperature for s in samples], dtype=torch.float32),
     )
 
 

@@ -106,16 +106,22 @@ class CheckpointStore:
     def manifest_sha256(self, version: int) -> str:
         return sha256_file(self.path(version) / MANIFEST)
 
-    def trained_sample_ids(self) -> set[str]:
-        """Every sample id in the kept manifests: trained for sure, whatever the stream says."""
-        ids: set[str] = set()
-        for v in self.versions():
-            ids.update(self.manifest(v).sample_ids)
-        return ids
-
     def verify(self, version: int) -> bool:
         """True when every file has the sha256 the manifest records."""
-        return not file_problems(self.path(version), self.manifest(version).files)
+        return not self.problems(version)
+
+    def problems(self, version: int) -> list[str]:
+        """What is wrong with ``v{version}`` (empty: the manifest parses, lists files, and each file matches its
+        sha256). A manifest with no files is refused too: nothing in it could be checked."""
+        try:
+            manifest = self.manifest(version)
+        except Exception as exc:  # unreadable or not a CheckpointManifest: as corrupt as a flipped byte
+            return [f"{self.path(version) / MANIFEST} is not a valid manifest: {exc}"]
+        if manifest.version != version:
+            return [f"{self.path(version) / MANIFEST} says version {manifest.version}"]
+        if not manifest.files:
+            return [f"{self.path(version) / MANIFEST} lists no files"]
+        return file_problems(self.path(version), manifest.files)
 
     # --- writing ------------------------------------------------------------------------------------------------
     def publish(

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from onlinerl_trainer.engine import StepResult
-from onlinerl_trainer.engine_torch import apply_hyperparameters, make_adamw
-from onlinerl_trainer.policy import trainable_parameters
 from torch import nn
 
 from onlinerl.config import TrainerConfig
 from onlinerl.valkey import free_port
+from onlinerl_trainer.engine import StepResult
+from onlinerl_trainer.engine_torch import apply_hyperparameters, make_adamw
+from onlinerl_trainer.policy import trainable_parameters
 
 CHECKPOINT_TAG = "engine"
 

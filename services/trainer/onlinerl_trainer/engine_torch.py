@@ -6,11 +6,11 @@ import math
 from pathlib import Path
 
 import torch
-from onlinerl_trainer.engine import StepResult
-from onlinerl_trainer.policy import trainable_parameters
 from torch import nn
 
 from onlinerl.config import TrainerConfig
+from onlinerl_trainer.engine import StepResult
+from onlinerl_trainer.policy import trainable_parameters
 
 OPTIMIZER_FILE = "optimizer.pt"
 

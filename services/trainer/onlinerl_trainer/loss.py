@@ -21,6 +21,24 @@ Aggregation over the masked tokens:
                                                                           weigh more)
     seq-mean:   mean_i( sum_t(token_loss * mask) / sum_t(mask) )        every completion weighs the same
 
+Behaviour distribution and temperature (per sequence i; z = the model's logits at a position):
+    T_i       the temperature vLLM sampled sequence i at: TrainingSample.temperature, copied from
+              RolloutRecord.sampling.temperature, the value the gateway sent (after the exploration floor)
+    mu        = softmax(z_served / T_i): the behaviour policy, the served weights tempered. vLLM runs with
+              --logprobs-mode processed_logprobs, so behaviour_logp is log mu(a_t), not log softmax(z_served)(a_t).
+              The gateway refuses top_p/top_k/min_p/penalties/logit_bias (400): nothing else reshapes mu.
+    pi_theta  = softmax(z_theta / T_i), per row (:func:`tempered`); so are pi_old when recomputed, pi_ref for the KL,
+              and the entropy. What is trained is the policy as it is sampled.
+    On-policy (z_theta = z_served, first epoch): logp = log mu up to float error, so r = exp(logp - old_logp) = 1
+    and the IS weight pi_old / mu = 1. Evaluated untempered, r = softmax(z)(a) / softmax(z / T)(a) != 1 before any
+    update: at T = 0.01 the greedy token has mu ~ 1 but softmax(z)(a) is, say, 0.3, a spurious ratio the clip eats.
+    Gradient: d log softmax(z / T)(a) / dz = (onehot(a) - pi_T) / T. At a low T a sampled greedy token has pi_T ~ 1
+    and carries almost no gradient (the policy is already sure of it); the exploration floor (T >=
+    explorationTemperature, e.g. 0.7) keeps pi_T spread, so rated alternatives move the logits, scaled by 1 / T.
+    The update changes z, hence the policy at every temperature; the objective is the reward of what users were
+    served at their T_i. Below 1e-5 vLLM samples greedily (mu a point mass) and still reports T = 1 log-probs: no
+    T matches that, so such rollouts (recorded as temperature 0) are audited by the feedback service, never trained.
+
 ``normalizer`` lets a caller split one batch into micro-batches and still get the exact batch loss: pass the token
 count (token-mean) or the sequence count (seq-mean) of the whole batch, and the micro-batch losses add up to it.
 """
@@ -34,6 +52,22 @@ import torch
 
 Aggregation = Literal["token-mean", "seq-mean"]
 KLEstimator = Literal["k1", "k3"]
+
+
+def tempered(logits: torch.Tensor, temperature: torch.Tensor | float | None) -> torch.Tensor:
+    """z / T with one temperature per row: logits [B, ..., V], temperature [B] (or a scalar; None = 1).
+
+    In float32, as vLLM's sampler divides: at T = 0.01 bf16 logits would lose the gaps that decide mu.
+    """
+    logits = logits.float()
+    if temperature is None:
+        return logits
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    if t.dim() == 0:
+        return logits if float(t) == 1.0 else logits / t
+    if bool((t == 1.0).all()):
+        return logits
+    return logits / t.reshape(-1, *([1] * (logits.dim() - 1)))  # [B, 1, ..., 1]
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,18 @@ STAT_GAUGES = {
     "grad_norm": "grad_norm",
 }
 
+# label values (a contract: docs/architecture.md); validation.py decides which one applies
+INVALID_REASONS = (
+    "undecodable",
+    "empty",
+    "length_mismatch",
+    "out_of_vocab",
+    "bad_logprob",
+    "bad_reward",
+    "bad_temperature",
+)
+DROP_REASONS = ("too_long", "already_trained")
+
 
 class TrainerMetrics:
     def __init__(self) -> None:
@@ -44,7 +56,22 @@ class TrainerMetrics:
             registry=r,
         )
         self.invalid = Counter(
-            "onlinerl_trainer_invalid_samples", "stream entries that are not a valid sample", registry=r
+            "onlinerl_trainer_invalid_samples",
+            "stream entries that are not a valid sample (acknowledged, never trained)",
+            ["reason"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "onlinerl_trainer_dropped_samples",
+            "valid samples acknowledged without training: too_long (prompt + completion over trainer.maxSeqLen, "
+            "never cut) or already_trained (re-delivered id already in a kept manifest or in the open version)",
+            ["reason"],
+            registry=r,
+        )
+        self.corrupt_checkpoints = Counter(
+            "onlinerl_trainer_corrupt_checkpoints",
+            "versions refused at resume because a file differs from the manifest's sha256",
+            registry=r,
         )
         self.step_seconds = Histogram(
             "onlinerl_trainer_step_duration_seconds",
@@ -74,6 +101,10 @@ class TrainerMetrics:
             self.skipped.labels(reason)
         for action in ("dropped", "downweighted"):
             self.stale.labels(action)
+        for reason in INVALID_REASONS:
+            self.invalid.labels(reason)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
 
     def record_stats(self, stats: dict[str, float]) -> None:
         for name, key in STAT_GAUGES.items():

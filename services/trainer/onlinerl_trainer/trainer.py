@@ -4,6 +4,12 @@ Delivery invariant (docs/architecture.md): a sample leaves the stream only after
 is durably on disk and announced; each manifest lists its sample ids, so after a crash the trainer resumes from the
 latest version and acknowledges (without retraining) pending samples that version already contains. Samples trained
 after it are simply trained again on top of it: at least once delivery, exactly once in the published weights.
+
+The ids of every kept manifest stay in memory (``trained_ids``), so an entry delivered again at any time (a Redis
+failover that lost the group's last-delivered id and our XDELs) is acknowledged without training, not only at start.
+Resume loads the newest version whose files match its manifest's sha256s; newer corrupt ones are refused loudly
+(ERROR log, ``onlinerl_trainer_corrupt_checkpoints_total``, ``corrupt_versions`` in the status hash), their numbers
+are never reused, and their sample ids do not count as trained (their weights are not the ones resumed from).
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ from pathlib import Path
 
 import redis
 import torch
+
+from onlinerl.config import OnlineRLConfig
+from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyTable, PolicyVersionState, TrainingSample
 from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
 from onlinerl_trainer.batching import StreamSample, collate, staleness_action
 from onlinerl_trainer.checkpoint import CheckpointStore, render_manifest
@@ -33,10 +43,7 @@ from onlinerl_trainer.policy import (
 from onlinerl_trainer.ranks import Ranks
 from onlinerl_trainer.stream import DEFAULT_CONSUMER, Entry, SampleStream
 from onlinerl_trainer.update import ppo_update
-
-from onlinerl.config import OnlineRLConfig
-from onlinerl.keys import Keys
-from onlinerl.schemas import PolicyTable, PolicyVersionState, TrainingSample
+from onlinerl_trainer.validation import sample_problem
 
 log = logging.getLogger("onlinerl.trainer")
 
@@ -50,6 +57,15 @@ class Recovery:
     claimed: int = 0  # entries taken over from other (dead) consumers
     already_trained: int = 0  # pending entries found in a manifest: acknowledged, not retrained
     replayed: int = 0  # pending entries that will be trained again
+
+
+def _vocab_size(model_path: Path) -> int:
+    """Rows of the input embedding: a token id outside [0, vocab) cannot be trained (index error, or worse on GPU)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
 
 
 def _pad_id(model_path: Path) -> int:
@@ -89,6 +105,7 @@ class Trainer:
         self.store = CheckpointStore(Path(cfg.storage.checkpoint_dir) / cfg.job)
         self.stream = SampleStream(client, self.keys, consumer, claim_idle_ms)
         self.pad_id = _pad_id(self.model_path)
+        self.vocab_size = _vocab_size(self.model_path)
         self.baseline = RunningBaseline(self.algo.baseline_momentum)
         self.version = 0
         self.step = 0
@@ -103,7 +120,10 @@ class Trainer:
 
         module = load_policy(self.model_path, self.tcfg)
         self.reference = load_reference(self.model_path, self.tcfg)
-        latest = self.store.latest()
+        self.corrupt_versions: list[int] = []  # refused at resume, newest first
+        latest = self._newest_good_version()
+        self.trained_by_version: dict[int, list[str]] = self._kept_sample_ids(latest)
+        self.trained_ids: set[str] = {sid for ids in self.trained_by_version.values() for sid in ids}
         if latest:
             load_weights_from_checkpoint(module, self.store.path(latest))
         self.engine = build_engine(module, self.tcfg)
@@ -113,6 +133,32 @@ class Trainer:
             self._resume(latest)
 
     # --- start-up ---------------------------------------------------------------------------------------------------
+    def _newest_good_version(self) -> int:
+        """The newest version whose files match its manifest. Every newer one is refused, loudly: a tampered or
+        half-copied checkpoint is never loaded (followers check the same files, so every rank picks the same one)."""
+        for version in reversed(self.store.versions()):
+            problems = self.store.problems(version)
+            if not problems:
+                return version
+            self.corrupt_versions.append(version)
+            self.metrics.corrupt_checkpoints.inc()
+            log.error(
+                "refusing corrupt checkpoint v%d (%s): falling back to an older version", version, "; ".join(problems)
+            )
+        return 0
+
+    def _kept_sample_ids(self, latest: int) -> dict[int, list[str]]:
+        """Sample ids of every kept version up to ``latest``: trained into the weights we resume from."""
+        out: dict[int, list[str]] = {}
+        for version in self.store.versions():
+            if version > latest or version in self.corrupt_versions:
+                continue
+            try:
+                out[version] = list(self.store.manifest(version).sample_ids)
+            except Exception as exc:
+                log.error("v%d's manifest is unreadable (%s): its sample ids are not known as trained", version, exc)
+        return out
+
     def _resume(self, latest: int) -> None:
         self.version = latest
         manifest = self.store.manifest(latest)
@@ -140,10 +186,10 @@ class Trainer:
         owned = {e.sample_id for e in self.stream.own_pending()}
         rec = Recovery(claimed=len(self.stream.claim_abandoned() - owned))
         pending = self.stream.own_pending()
-        trained = self.store.trained_sample_ids()
-        done = [e.sample_id for e in pending if e.sample_id in trained]
+        done = [e.sample_id for e in pending if e.sample_id in self.trained_ids]
         self.stream.ack(done)
-        rest = [e for e in pending if e.sample_id not in trained]
+        self.metrics.dropped.labels("already_trained").inc(len(done))
+        rest = [e for e in pending if e.sample_id not in self.trained_ids]
         self.replay.extend(rest)
         rec.already_trained, rec.replayed = len(done), len(rest)
         log.info(
@@ -151,6 +197,10 @@ class Trainer:
             rec.claimed,
             rec.already_trained,
             rec.replayed,
+        )
+        self.client.hset(
+            self.keys.trainer_status,
+            mapping={"corrupt_versions": ",".join(str(v) for v in sorted(self.corrupt_versions))},
         )
         self._status("waiting")
         self.metrics.version.set(self.version)
@@ -223,19 +273,32 @@ class Trainer:
         return batch
 
     def _admit(self, entries: list[Entry]) -> tuple[list[StreamSample], list[str]]:
-        """Decode and apply the staleness rule. Returns (trainable samples, ids to acknowledge without training)."""
+        """Skip what was already trained, decode, validate, apply the staleness rule. Returns (trainable samples, ids
+        to acknowledge without training). An id trained since the last publish (or twice in this batch) is skipped but
+        not acknowledged: its acknowledgement comes with the version that holds it."""
         keep: list[StreamSample] = []
         discard: list[str] = []
+        open_version = set(self.pending_ack)
+        again: list[str] = []
         for e in entries:
+            if e.sample_id in self.trained_ids or e.sample_id in open_version:
+                again.append(e.sample_id)
+                if e.sample_id in self.trained_ids:
+                    discard.append(e.sample_id)
+                continue
+            open_version.add(e.sample_id)
             try:
                 sample = TrainingSample.from_json(e.fields[b"data"])
-                if not sample.completion_token_ids or not sample.prompt_token_ids:
-                    raise ValueError("empty prompt or completion")
-                if len(sample.behaviour_logprobs) != len(sample.completion_token_ids):
-                    raise ValueError("behaviour_logprobs and completion_token_ids differ in length")
             except Exception as exc:
-                log.error("discarding invalid stream entry %s: %s", e.sample_id, exc)
-                self.metrics.invalid.inc()
+                log.error("discarding undecodable stream entry %s: %s", e.sample_id, exc)
+                self.metrics.invalid.labels("undecodable").inc()
+                discard.append(e.sample_id)
+                continue
+            problem = sample_problem(sample, self.vocab_size, self.tcfg.max_seq_len)
+            if problem is not None:
+                counter = self.metrics.invalid if problem.kind == "invalid" else self.metrics.dropped
+                counter.labels(problem.reason).inc()
+                log.error("not training stream entry %s (%s): %s", e.sample_id, problem.reason, problem.detail)
                 discard.append(e.sample_id)
                 continue
             staleness = max(0, self.version - sample.policy_version)
@@ -252,6 +315,11 @@ class Trainer:
                 self.metrics.stale.labels("downweighted").inc()
                 cap = self.algo.staleness.truncate_weight
             keep.append(StreamSample(e.sample_id, sample, staleness, cap))
+        if again:
+            self.metrics.dropped.labels("already_trained").inc(len(again))
+            log.warning(
+                "%d entries delivered again are already trained, not training them twice: %s", len(again), again[:5]
+            )
         return keep, discard
 
     def train_on(self, entries: list[Entry]) -> dict[str, float] | None:
@@ -402,7 +470,7 @@ class Trainer:
             self.metrics.skipped.labels("nonfinite_weights").inc()
             self._status("failed")
             raise NonFiniteWeightsError(f"non-finite weights after step {self.step}: v{self.version + 1} not published")
-        version = max(self.version, self.store.latest()) + 1
+        version = max(self.version, self.store.latest(), *self.corrupt_versions) + 1  # a refused number stays used
         ids = list(self.pending_ack)
         metrics = {k: v for k, v in self.last_stats.items()}
         metrics["samples_trained_total"] = float(self.samples_trained)
@@ -432,6 +500,8 @@ class Trainer:
         }
         self.store.save_state(version, self._save_engine_state, meta)
         self.version = version
+        self.trained_by_version[version] = ids
+        self.trained_ids.update(ids)
         self.pending_ack = []
         self.steps_since_publish = 0
         self.last_publish = time.monotonic()
@@ -451,6 +521,8 @@ class Trainer:
         pruned = self.store.prune(self.tcfg.checkpoint.keep, self._protected_versions())
         if pruned:
             log.info("pruned versions %s", pruned)
+            for v in pruned:  # the set holds the ids of kept manifests, as a restart would rebuild it
+                self.trained_ids.difference_update(self.trained_by_version.pop(v, ()))
         self.client.hset(self.keys.trainer_status, mapping={"last_checkpoint_at": repr(time.time())})
         self._status("waiting")
         log.info("published v%d (%d samples, step %d)", version, len(ids), self.step)

@@ -10,15 +10,21 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from onlinerl_trainer.batching import Batch
-from onlinerl_trainer.engine import Engine
-from onlinerl_trainer.loss import ppo_loss, token_logprobs, token_logprobs_and_entropy, truncated_is_weight
-from onlinerl_trainer.policy import adapter_disabled, is_lora
-from onlinerl_trainer.ranks import Ranks, shard_slices
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the usual torch alias
 
 from onlinerl.config import AlgorithmConfig
+from onlinerl_trainer.batching import Batch
+from onlinerl_trainer.engine import Engine
+from onlinerl_trainer.loss import (
+    ppo_loss,
+    tempered,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    truncated_is_weight,
+)
+from onlinerl_trainer.policy import adapter_disabled, is_lora
+from onlinerl_trainer.ranks import Ranks, shard_slices
 
 
 @dataclass
@@ -42,7 +48,8 @@ class TokenLogprobs:
 def completion_logprobs(
     engine: Engine, mb: Batch, with_entropy: bool = False, entropy_grad: bool = False, module: nn.Module | None = None
 ) -> TokenLogprobs:
-    """Log-probs of a micro-batch's completion tokens (and its entropy, exact for the loss or sampled for the gauge).
+    """Log-probs of a micro-batch's completion tokens (and its entropy, exact for the loss or sampled for the gauge),
+    under softmax(logits / T) with each row's sampling temperature: the distribution vLLM sampled it from.
 
     Only the trailing completion span goes through the vocabulary projection (left padding + ``logits_to_keep``):
     with a 49k vocabulary and prompts far longer than completions, that projection is the largest cost. A
@@ -57,7 +64,8 @@ def completion_logprobs(
         "logits_to_keep": span + 1,
     }
     logits = engine.forward(**kwargs) if module is None else module(**kwargs).logits  # [B, span + 1, V]
-    logits = logits[:, :-1]  # [B, span, V]: the last position predicts past the end
+    # [B, span, V]: the last position predicts past the end; / T per row: pi is the tempered policy vLLM sampled from
+    logits = tempered(logits[:, :-1], mb.temperature.to(logits.device))
     targets = mb.targets[:, -span:].to(logits.device)  # [B, span]
     left = mb.targets.shape[1] - span  # columns of pure prompt / padding
     if with_entropy and entropy_grad:

@@ -1,0 +1,289 @@
+"""Safe rollout end to end with no simulator writing statistics: every counter comes from the real components.
+
+Real valkey, real vLLM on CPU (tiny random model, LoRA adapters), the real gateway, reloader and feedback service,
+and the real controller process (``python -m onlinerl.rollout``). v0 (the base model) is stable. A scripted user
+population (one API key per user, since the gateway routes by key) sends Continue's exact streaming request and
+upload; each user accepts by the version the gateway says served it (``X-OnlineRL-Policy-Version``): v0 20 %, v1
+70 %, v2 2 %. The better v1 must be promoted, the worse v2 rolled back, each after a counted number of feedback events.
+
+The canary test runs the controller with the eval gate off (``rollout.gate.enabled: false``): the gate would rightly
+stop v2 before any user saw it, and that test is about the canary on live traffic. The second test restarts the
+controller with the gate on and the scripted user's judgement as its evaluator (tests/rollout/evaluators.py:
+``scripted_user``, eval requests pinned through the real gateway): a worse v3 fails the gate, a better v4 passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from onlinerl.arms import CANDIDATE, EVAL, STABLE
+from onlinerl.auth import write_keys_file
+from onlinerl.config import from_mapping
+from onlinerl.fim import get_template
+from onlinerl.keys import Keys
+from onlinerl.loop.continue_client import ContinueClient
+from onlinerl.procs import Child, python_module, wait_for
+from onlinerl.rollout.records import DecisionRecord
+from onlinerl.rollout.store import RolloutStore
+from onlinerl.schemas import PolicyTable
+from onlinerl.valkey import EmbeddedValkey, free_port
+from onlinerl_serving.engine import start_vllm
+from tests.serving.conftest import JOB, start_gateway, start_reloader, write_config
+from tests.serving.lora_helpers import publish_lora
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+USERS = 24
+TENANT = "acme"
+ACCEPT = {0: 0.20, 1: 0.70, 2: 0.02, 3: 0.02, 4: 0.90}
+EVAL_KEY = "sk-eval-gate-0123456789"
+MIN_SAMPLES = 24
+QWEN = get_template("qwen")
+CODE = [
+    ("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"),
+    ("import os\npath = os.path.", "\n"),
+    ("for i in range(", "):\n    pass\n"),
+    ("class A:\n    def __init__(self):\n        self.", "\n"),
+    ("values = [1, 2, 3]\ntotal = sum(", ")\n"),
+]
+
+
+@dataclass
+class Loop:
+    redis: redis.Redis
+    keys: Keys
+    store: RolloutStore
+    gateway_url: str
+    feedback_url: str
+    user_keys: list[str]
+    ckpt_root: Path
+    base_model: Path
+    logs: Path
+    env: dict[str, str]
+    controller: Child
+    controller_port: int
+
+    def start_controller(self, **extra_env: str) -> None:
+        """(Re)start ``python -m onlinerl.rollout`` with ``extra_env`` on top of the job config."""
+        if self.controller.alive():
+            assert self.controller.stop(timeout=10) == 0
+        self.controller = Child(
+            "rollout",
+            python_module("onlinerl.rollout", "--interval", "0.2", "--port", str(self.controller_port)),
+            self.logs / "rollout.log",
+            env={**self.env, **extra_env},
+        ).start()
+        self.controller.wait_healthy(f"http://127.0.0.1:{self.controller_port}/healthz", 30)
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Loop]:
+    tmp = tmp_path_factory.mktemp("rollout-e2e")
+    user_keys = [f"sk-user-{i:02d}-0123456789" for i in range(USERS)]
+    keys_file = write_keys_file(tmp / "keys.yaml", {TENANT: [*user_keys, {"key": EVAL_KEY, "role": "eval"}]})
+    valkey = EmbeddedValkey(tmp / "valkey").start()
+    engine_port, gw_port, rl_port, fb_port, ctl_port = (free_port() for _ in range(5))
+    sections = dict(
+        redis={"url": valkey.url},
+        auth={"apiKeysFile": str(keys_file)},
+        model={"path": str(tiny_model_path), "maxModelLen": 2048, "fimTemplate": "qwen"},
+        storage={"checkpointDir": str(tmp / "ckpt")},
+        serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": f"http://127.0.0.1:{engine_port}"},
+        feedback={"host": "127.0.0.1", "port": fb_port},
+        rollout={
+            "strategy": "canary",
+            "canaryShare": 0.5,
+            "minSamples": MIN_SAMPLES,
+            "minDwellSeconds": 0,
+            "gate": {"enabled": False},
+        },
+    )
+    cfg_path = write_config(tmp / "config.yaml", **sections)
+    cfg = from_mapping({"job": JOB, **sections})
+    env = {"ONLINERL_CONFIG": str(cfg_path), "OMP_NUM_THREADS": "1"}
+    children: list[Child] = []
+    r = redis.Redis.from_url(valkey.url)
+    try:
+        children.append(start_vllm(cfg, tiny_model_path, tmp / "vllm.log", port=engine_port))
+        children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
+        children.append(start_reloader(cfg_path, tmp / "reloader.log", rl_port))
+        feedback = Child("feedback", python_module("onlinerl_feedback"), tmp / "feedback.log", env=env).start()
+        children.append(feedback)
+        feedback.wait_healthy(f"http://127.0.0.1:{fb_port}/healthz", 60)
+        loop = Loop(
+            r,
+            Keys(JOB),
+            RolloutStore(r, Keys(JOB)),
+            f"http://127.0.0.1:{gw_port}",
+            f"http://127.0.0.1:{fb_port}",
+            user_keys,
+            tmp / "ckpt",
+            tiny_model_path,
+            tmp,
+            env,
+            Child("rollout", [], tmp / "rollout.log"),
+            ctl_port,
+        )
+        loop.start_controller()
+        yield loop
+    finally:
+        r.close()
+        if "loop" in locals() and loop.controller.alive():
+            loop.controller.stop(timeout=5)
+        for child in reversed(children):
+            child.stop(timeout=5)
+        valkey.stop()
+
+
+@dataclass
+class ScriptedUsers:
+    """USERS editors, one API key each, accepting by the served version (seeded: reproducible)."""
+
+    loop: Loop
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
+    events: int = 0  # feedback uploads acknowledged so far
+    arms: dict[tuple[int, str], int] = field(default_factory=dict)  # (version, arm header) -> requests
+    failed: int = 0
+
+    def clients(self) -> list[ContinueClient]:
+        return [
+            ContinueClient(
+                f"{self.loop.gateway_url}/v1",
+                f"{self.loop.feedback_url}/api/training/submit",
+                key,
+                TENANT,
+                "Qwen2.5-Coder-1.5B",
+                QWEN,
+                max_tokens=8,
+                unique_id=f"editor-{i}",
+            )
+            for i, key in enumerate(self.loop.user_keys)
+        ]
+
+    async def one(self, http: httpx.AsyncClient, client: ContinueClient, n: int) -> None:
+        prefix, suffix = CODE[n % len(CODE)]
+        prompt = QWEN.render(prefix, suffix)
+        res = await client.complete(http, prompt)
+        if res.failed or res.version is None:
+            self.failed += 1
+            return
+        self.arms[(res.version, res.arm)] = self.arms.get((res.version, res.arm), 0) + 1
+        shown = res.text.rstrip()
+        if not shown.strip():
+            return  # Continue shows nothing, so it uploads nothing
+        accepted = self.rng.random() < ACCEPT[res.version]
+        body = client.outcome(
+            prompt=prompt, prefix=prefix, suffix=suffix, filepath="app.py", shown=shown, accepted=accepted,
+            latency_ms=res.latency_ms,
+        )  # fmt: skip
+        status, reply = await client.post_outcome(http, body)
+        assert status == 200, reply
+        self.events += 1
+
+    def drive_until(self, done, timeout: float = 300.0) -> int:
+        """Rounds of one request (and upload) per user until ``done()``; returns the feedback events it took."""
+        start = self.events
+        clients = self.clients()
+
+        sem = asyncio.Semaphore(4)
+
+        async def bounded(http: httpx.AsyncClient, c: ContinueClient, i: int) -> None:
+            async with sem:
+                await self.one(http, c, i)
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            n = 0
+            async with httpx.AsyncClient(timeout=60) as http:
+                while not done():
+                    assert loop.time() < deadline, f"no decision after {self.events - start} feedback events"
+                    await asyncio.gather(*(bounded(http, c, n + i) for i, c in enumerate(clients)))
+                    n += 1
+
+        asyncio.run(run())
+        return self.events - start
+
+
+def table(loop: Loop) -> PolicyTable:
+    return loop.store.policy()
+
+
+def last_decision(loop: Loop, kind: str, version: int) -> DecisionRecord:
+    recs = [d for _, d in loop.store.decisions(50) if d.decision == kind and d.version == version]
+    assert recs, f"no {kind} decision on v{version}"
+    return recs[-1]
+
+
+def test_better_candidate_promoted_worse_rolled_back(loop: Loop) -> None:
+    users = ScriptedUsers(loop)
+    # v0 stable: its traffic is arm "stable" end to end (it was "base", which the controller never read)
+    users.drive_until(lambda: users.events >= USERS)
+    assert {arm for (v, arm) in users.arms} == {STABLE}
+    assert loop.redis.hget(loop.keys.stats(0, STABLE), "shown") is not None
+    assert not loop.redis.exists(loop.keys.stats(0, "base"))
+
+    # v1 published -> loaded -> candidate with half the users -> promoted on live feedback
+    publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 1)
+    wait_for(lambda: table(loop).candidate == 1, timeout=120, what="v1 to become the candidate")
+    assert table(loop).canary_share == 0.5
+    v1_events = users.drive_until(lambda: table(loop).stable == 1)
+    promote = last_decision(loop, "promote", 1)
+    assert (users.arms.get((1, CANDIDATE), 0), users.arms.get((0, STABLE), 0)) > (0, 0)
+    figs = promote.figures
+    assert figs["candidate"]["accept_rate"] > figs["stable"]["accept_rate"]
+    assert figs["samples"] >= MIN_SAMPLES and figs["guardrail_breaches"] == []
+    assert loop.store.state(1).state == "promoted"
+
+    # v2 published -> candidate against stable v1 -> rolled back; v1 stays stable
+    publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 2)
+    wait_for(lambda: table(loop).candidate == 2, timeout=120, what="v2 to become the candidate")
+    v2_events = users.drive_until(lambda: loop.store.state(2) is not None and loop.store.state(2).state != "canary")
+    rollback = last_decision(loop, "rollback", 2)
+    assert loop.store.state(2).state == "rolled_back"
+    assert (table(loop).stable, table(loop).candidate) == (1, None)
+    assert rollback.figures["candidate"]["accept_rate"] < rollback.figures["stable"]["accept_rate"]
+    assert users.failed == 0
+    print(
+        f"\nfeedback events per decision: promote v1 {v1_events} (look {figs['look']}, {figs['samples']} shown in the "
+        f"smaller arm), rollback v2 {v2_events} (look {rollback.figures['look']}, {rollback.figures['samples']} "
+        f"shown); reasons: {promote.reason!r}, {rollback.reason!r}"
+    )
+
+
+def test_gate_on_judges_through_the_real_gateway(loop: Loop) -> None:
+    """The controller with the gate on: the scripted user's judgement, on eval requests pinned to each version
+    through the real gateway (arm ``eval``, never counted in the canary's arms), decides the gate."""
+    assert table(loop).stable == 1 and table(loop).candidate is None  # where the canary test left it
+    loop.start_controller(
+        ONLINERL__ROLLOUT__GATE__ENABLED="true",
+        ONLINERL__ROLLOUT__GATE__EVAL_SAMPLES="24",
+        ONLINERL_ROLLOUT_EVALUATOR="tests.rollout.evaluators:scripted_user",
+        ONLINERL_TEST_GATEWAY_URL=loop.gateway_url,
+        ONLINERL_TEST_EVAL_KEY=EVAL_KEY,
+        ONLINERL_TEST_ACCEPT=json.dumps(ACCEPT),
+    )
+    eval_served_before = int(loop.redis.hget(loop.keys.stats(1, EVAL), "served") or 0)
+    publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 3)
+    wait_for(lambda: loop.store.state(3) is not None, timeout=120, what="the gate's verdict on v3")
+    fail = last_decision(loop, "gate_fail", 3)
+    assert loop.store.state(3).state == "gate_failed" and table(loop).candidate is None
+    assert fail.figures["candidate"]["requests"] == fail.figures["stable"]["requests"] == 24
+    assert "accept rate" in fail.reason and "guardrail: accepted chars per 100 requests" in fail.reason
+    assert int(loop.redis.hget(loop.keys.stats(1, EVAL), "served") or 0) >= eval_served_before + 24
+
+    publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 4)
+    wait_for(lambda: table(loop).candidate == 4, timeout=120, what="v4 to pass the gate")
+    passed = last_decision(loop, "gate_pass", 4)
+    assert passed.figures["candidate"]["accept_rate"] > passed.figures["stable"]["accept_rate"]
+    assert passed.figures["canary_share"] == 0.5
+    print(f"\ngate: v3 failed ({fail.reason}); v4 passed ({passed.reason})")

@@ -1,0 +1,95 @@
+"""A reject teaches: under the product's default reward and algorithm, one trainer step on a rejected completion
+lowers that completion's log-prob.
+
+Nothing here is tuned for the test: the reward values come from ``RewardConfig()`` and the algorithm (baseline,
+learning rate, clipping, epochs, KL) from ``AlgorithmConfig()``. The tenant's first batch carries the traffic's
+usual mix (one accept in eight), so the running baseline starts where production would have it; the next batch holds
+only rejects of one completion, and that completion must become less likely.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from onlinerl.config import AlgorithmConfig, RewardConfig
+from onlinerl_trainer.trainer import Trainer
+
+from .conftest import make_sample, trainer_config, xadd_samples
+from .test_learning import logprobs_now
+
+PROMPT = "def area(width, height):\n    return"
+REJECTED = " width + height\n"  # a wrong body: the simulated user rejects it
+OTHERS = [" width * height\n", " height * width\n", " (width * height)\n", " width*height\n"]
+
+
+def _product_algorithm() -> dict:
+    """The default algorithm section, camelCase as a config file would spell it (overrides conftest's test lr)."""
+    return AlgorithmConfig().model_dump(by_alias=True, exclude={"staleness"})
+
+
+@pytest.fixture
+def enc(tiny_model_path: Path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    return lambda s: tok.encode(s, add_special_tokens=False)
+
+
+def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, valkey, tiny_model_path, enc):
+    reward = RewardConfig()
+    assert reward.rejected < 0 < reward.accepted  # the product's default reward penalises a reject
+    cfg = trainer_config(
+        tmp_path / "ckpt", valkey.url, tiny_model_path, checkpoint={"everySteps": 100}, algorithm=_product_algorithm()
+    )
+    assert cfg.trainer.algorithm.baseline == AlgorithmConfig().baseline
+    assert cfg.trainer.algorithm.learning_rate == AlgorithmConfig().learning_rate
+    trainer = Trainer(cfg, redis_client, tiny_model_path)
+    trainer.start()
+    prompt, rejected = enc(PROMPT), enc(REJECTED)
+
+    # --- the tenant's first batch: one accept and seven rejects of other completions, as real traffic mixes them ---
+    warm_rows = [(prompt, enc(OTHERS[i % len(OTHERS)])) for i in range(8)]
+    warm = [
+        make_sample(i, p, c, lp, reward.accepted if i == 0 else reward.rejected, trainer.version)
+        for i, ((p, c), lp) in enumerate(zip(warm_rows, logprobs_now(trainer, warm_rows), strict=True))
+    ]
+    xadd_samples(redis_client, warm)
+    assert trainer.train_on(trainer.collect()) is not None
+
+    # --- one step on rejects of one completion -------------------------------------------------------------------
+    (before,) = logprobs_now(trainer, [(prompt, rejected)])
+    rows = [(prompt, rejected)] * cfg.trainer.batch_size
+    xadd_samples(
+        redis_client,
+        [make_sample(100 + i, prompt, rejected, before, reward.rejected, trainer.version) for i in range(len(rows))],
+    )
+    stats = trainer.train_on(trainer.collect())
+    assert stats is not None, "the rejects were dropped as inert: a reject carried no gradient"
+    assert stats["advantage_mean"] < 0, f"a reject got advantage {stats['advantage_mean']} under the default baseline"
+    (after,) = logprobs_now(trainer, [(prompt, rejected)])
+
+    moved = sum(after) - sum(before)
+    print(f"log p(rejected completion) {sum(before):.5f} -> {sum(after):.5f} ({moved:+.2e} nats in one step)")
+    assert moved < 0
+    assert "onlinerl_trainer_inert_samples_total 0.0" in trainer.metrics.render().decode()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the running baseline of a tenant seen for the first time is its own batch's mean reward, so a first batch "
+    "of rejects has advantage 0 and is acknowledged as inert (advantages.py RunningBaseline.values); a prior "
+    "(e.g. the reward table's `empty` value, 0) as the first baseline would give it -0.25. Remove this marker then.",
+)
+def test_a_tenants_first_batch_of_rejects_moves_the_policy(tmp_path, redis_client, valkey, tiny_model_path, enc):
+    reward = RewardConfig()
+    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=_product_algorithm())
+    trainer = Trainer(cfg, redis_client, tiny_model_path)
+    trainer.start()
+    prompt, rejected = enc(PROMPT), enc(REJECTED)
+    (before,) = logprobs_now(trainer, [(prompt, rejected)])
+    samples = [make_sample(i, prompt, rejected, before, reward.rejected, trainer.version) for i in range(8)]
+    xadd_samples(redis_client, samples)
+    trainer.train_on(trainer.collect())
+    (after,) = logprobs_now(trainer, [(prompt, rejected)])
+    assert sum(after) < sum(before)

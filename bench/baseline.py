@@ -19,7 +19,8 @@ def checkout_of(ref: str, into: Path, packages: dict[str, str]) -> Path:
     path = into / "path"
     path.mkdir()
     for name, folder in packages.items():
-        (path / name).symlink_to(src / folder)
+        nested = src / folder / name  # since c4092ff a component folder holds its package: services/<x>/onlinerl_<x>
+        (path / name).symlink_to(nested if nested.is_dir() else src / folder)
     if "hiredis" not in (src / "pyproject.toml").read_text():
         (path / "hiredis.py").write_text('raise ImportError("hiredis is not a dependency at this commit")\n')
     return path

@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from onlinerl.rollout.decision import ArmStats, DecisionRules, decide
+from onlinerl.rollout.records import ArmStats
+from onlinerl_rollout.decision import DecisionRules, decide
 
 
 def run_once(

@@ -2,8 +2,9 @@
 
 Three paths, round-robin in one run (so machine noise hits all alike):
   direct        the client's request straight to vLLM (no log-probs, no token ids);
-  direct+cap    vLLM with exactly the body the gateway sends (log-probs + token ids + serving.streamInterval):
-                isolates the proxy's own cost;
+  direct+cap    vLLM with exactly the body the gateway sends (``upstream_body``: log-probs, token ids,
+                serving.streamInterval, the neutral sampling fields and the recorded temperature): isolates the
+                proxy's own cost (a --baseline-ref gateway sends its own commit's body, which may differ);
   gateway       through the gateway (auth, routing, relay, rollout record write sent to Redis before [DONE]);
 and with --baseline-ref REF a fourth, the gateway as of that commit (same valkey, same vLLM): before/after in one run.
 For each: non-stream total, stream time-to-first-token and stream total, p50 and p99, sequential requests.

@@ -161,6 +161,55 @@ class RewardConfig(_Section):
         return self
 
 
+class FeedbackLimitsConfig(_Section):
+    """How much one user (one API key) may contribute to training and to the canary statistics, and when one user's
+    accept rate is so far above its tenant's that its feedback is quarantined (see services/feedback/README.md)."""
+
+    max_samples_per_user_per_hour: int = Field(
+        1000,
+        ge=0,
+        description="Counted events (trained or counted in stats) per API key per clock hour; 0 = no limit. Events "
+        "over it are audited (reason contribution_limit), never trained or counted.",
+    )
+    anomaly_k: float = Field(
+        4.0,
+        ge=0,
+        description="Quarantine a user whose accept rate exceeds the tenant's by more than k binomial sigmas; 0 = off.",
+    )
+    anomaly_min_shown: int = Field(50, ge=1, description="Rated suggestions a user needs before the anomaly test runs.")
+    anomaly_window_seconds: int = Field(
+        7 * 24 * 3600,
+        ge=60,
+        description="Per-user and per-tenant accept counters expire this long after their last event.",
+    )
+
+
+class SilenceConfig(_Section):
+    """Silence is learnable: Continue uploads an outcome only for suggestions it displayed, so for a served rollout
+    that gets no outcome within ``windowSeconds`` of its end the feedback service itself produces the ``empty``
+    reward ("not shown"), once, for tenants whose clients track completions (see the feedback sweeper).
+    Off for every tenant not listed: a client that never uploads would otherwise teach only silence."""
+
+    window_seconds: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="Seconds after a rollout finished with no outcome before it counts as not shown. Keep it above "
+        "Continue's 10 s reject window plus upload time: a real outcome arriving later is a `duplicate`.",
+    )
+    tenants: dict[str, bool] = Field(
+        default_factory=dict,
+        description="Tenant -> silence on/off. Only tenants set to true (their clients upload outcomes) get "
+        "silence samples; the gateway records their rollouts as due.",
+    )
+    sweep_interval_seconds: float = Field(1.0, gt=0, le=60, description="How often due rollouts are swept.")
+    sweep_batch: int = Field(256, ge=1, le=10_000, description="Due rollouts taken per tenant per sweep.")
+
+    def tracked(self, tenant: str) -> bool:
+        """Whether ``tenant``'s unreported rollouts turn into silence samples."""
+        return self.tenants.get(tenant, False)
+
+
 class FeedbackConfig(_Section):
     host: str = "0.0.0.0"
     port: int = Field(8002, ge=1, le=65535)
@@ -180,6 +229,8 @@ class FeedbackConfig(_Section):
     max_backlog: int = Field(200_000, ge=1, description="Unconsumed samples above this answer 429.")
     dedupe_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
     retry_after_seconds: int = Field(2, ge=1)
+    silence: SilenceConfig = Field(default_factory=SilenceConfig)
+    limits: FeedbackLimitsConfig = Field(default_factory=FeedbackLimitsConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
 

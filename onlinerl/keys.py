@@ -42,6 +42,16 @@ class Keys:
         served again, so any fixed marker TTL could expire while the record is still joinable."""
         return f"{RATED_FIELD_PREFIX}{rollout_id}"
 
+    def rollouts_by_digest(self, tenant: str, digest: str) -> str:
+        """The same ``rollouts:*`` hash named by its prompt digest (a due entry holds the digest, not the prompt)."""
+        return f"{self.prefix}rollouts:{tenant}:{digest}"
+
+    def silence_due(self, tenant: str) -> str:
+        """Sorted set ``"<prompt digest> <rollout_id>"`` scored by the rollout's finish time (unix s): rollouts of a
+        tenant with silence tracking on that may still get no outcome. The gateway adds them in its record script;
+        feedback's silence sweeper removes each once, after ``feedback.silence.windowSeconds``."""
+        return f"{self.prefix}silence:{tenant}"
+
     # --- feedback -> trainer ------------------------------------------------------------------------------------
     @property
     def samples(self) -> str:
@@ -56,6 +66,19 @@ class Keys:
     def seen(self, tenant: str, completion_id: str) -> str:
         """Idempotency marker for one Continue ``completionId`` (SET NX, TTL)."""
         return f"{self.prefix}seen:{tenant}:{completion_id}"
+
+    # --- contribution limits and quarantine (feedback; services/feedback/onlinerl_feedback/limits.py) -----------
+    def contrib(self, tenant: str, user: str, hour: int) -> str:
+        """Counter of one user's counted events in one clock hour (``hour`` = unix time // 3600; TTL 2 h)."""
+        return f"{self.prefix}contrib:{tenant}:{user}:{hour}"
+
+    def user_stats(self, tenant: str, user: str = "") -> str:
+        """Hash ``shown``/``accepted`` of one user (or, with ``user`` empty, of the whole tenant): the anomaly test."""
+        return f"{self.prefix}ustats:{tenant}:{user}" if user else f"{self.prefix}ustats:{tenant}"
+
+    def quarantine(self, tenant: str, user: str) -> str:
+        """Set (no TTL) while a user's feedback is quarantined; an admin deletes it to release the user."""
+        return f"{self.prefix}quarantine:{tenant}:{user}"
 
     # --- trainer -> reloader ------------------------------------------------------------------------------------
     @property
@@ -97,6 +120,16 @@ class Keys:
     def trainer_status(self) -> str:
         """Hash: the trainer's live status (step, version, samples trained, last checkpoint time)."""
         return f"{self.prefix}trainer"
+
+    @property
+    def trainer_lease(self) -> str:
+        """String ``"<token> <holder>"`` (SET NX PX, renewed): the one trainer allowed to announce and acknowledge."""
+        return f"{self.prefix}trainer:lease"
+
+    @property
+    def trainer_fence(self) -> str:
+        """Counter (INCR): the fencing token of each lease taken; the trainer's Lua scripts refuse any older token."""
+        return f"{self.prefix}trainer:fence"
 
     @property
     def reloader_status(self) -> str:

@@ -99,7 +99,7 @@ class TrainingSample(_Record):
         "softmax(logits / temperature), and the trainer evaluates pi_theta the same way.",
     )
     shown_text: str = ""
-    match: Literal["exact", "prefix", "trimmed", "unverified"] = "exact"
+    match: Literal["exact", "prefix", "trimmed", "unverified", "silence"] = "exact"  # silence: never shown
     rollout_created_at: float = 0.0
     feedback_at: float = Field(default_factory=time.time)
 

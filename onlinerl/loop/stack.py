@@ -100,6 +100,10 @@ def effective_config(cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, mod
     data["redis"]["url"] = redis_url
     data["model"]["path"] = str(model_path)
     data["auth"]["apiKeysFile"] = str(paths.keys.resolve())
+    if "max_samples_per_user_per_hour" not in cfg.feedback.limits.model_fields_set:
+        # `onlinerl simulate` sends every simulated user through the one demo key: a per-key hourly limit would
+        # throttle the simulation, not a person. Set feedback.limits.maxSamplesPerUserPerHour to have one locally.
+        data["feedback"]["limits"]["maxSamplesPerUserPerHour"] = 0
     ckpt = Path(data["storage"]["checkpointDir"])
     if not ckpt.is_absolute():
         data["storage"]["checkpointDir"] = str((paths.state / "checkpoints").resolve())
@@ -173,6 +177,19 @@ class Stack:
         say(f"{name} healthy")
         return child
 
+    def start_engine(self, model_path: Path, timeout: float = 600) -> Child:
+        """vLLM as ``python -m onlinerl_serving.engine`` (which execs vLLM with the serving package's own recipe):
+        a child process, so the shared library starts the engine without importing serving code."""
+        port = int(self.cfg.serving.engine_url.rsplit(":", 1)[1].split("/")[0])
+        argv = python_module(
+            "onlinerl_serving.engine",
+            *("--config", str(self.paths.config.resolve()), "--model", str(model_path), "--port", str(port)),
+            *("--cache-dir", str(self.paths.logs.resolve())),
+        )
+        child = Child("vllm", argv, self.paths.logs / "vllm.log")
+        self.children.append(child.start())  # appended first: a failed start is stopped with the rest
+        return child.wait_healthy(f"http://127.0.0.1:{port}/v1/models", timeout)
+
     def stop(self) -> None:
         for child in reversed(self.children):
             if child.alive():
@@ -198,7 +215,6 @@ def start_stack(
 ) -> Stack:
     """Start every component and return the running :class:`Stack` (the caller stops it)."""
     from onlinerl.model import resolve_model_path
-    from onlinerl_serving.engine import start_vllm
 
     paths = StackPaths(state)
     paths.logs.mkdir(parents=True, exist_ok=True)
@@ -224,10 +240,7 @@ def start_stack(
         paths.config.write_text(yaml.safe_dump(stack.cfg.dump(), sort_keys=False))
         paths.config.chmod(0o600)  # the Redis URL in it carries the password
         on_step("starting vLLM (about a minute on CPU)")
-        engine_port = int(stack.cfg.serving.engine_url.rsplit(":", 1)[1].split("/")[0])
-        stack.children.append(
-            start_vllm(stack.cfg, model_path, paths.logs / "vllm.log", port=engine_port, wait_timeout=600)
-        )
+        stack.start_engine(model_path)
         on_step("vLLM healthy")
         c = stack.cfg
         stack.start_child("gateway", "onlinerl_serving.gateway", f"http://127.0.0.1:{c.serving.port}/healthz", 60)
@@ -243,12 +256,12 @@ def start_stack(
         if c.rollout.strategy == "canary":
             stack.start_child(
                 "rollout",
-                "onlinerl.rollout",
+                "onlinerl_rollout",
                 f"http://127.0.0.1:{ports.rollout}/healthz",
                 60,
                 {
                     "ONLINERL_ROLLOUT_PORT": str(ports.rollout),
-                    "ONLINERL_ROLLOUT_EVALUATOR": "onlinerl.loop.gate_eval:evaluate",
+                    "ONLINERL_ROLLOUT_EVALUATOR": "onlinerl_rollout.gate_eval:evaluate",
                     "ONLINERL_EVAL_DATA": str((paths.data / "test.jsonl").resolve()),
                 },
             )

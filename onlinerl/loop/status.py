@@ -8,8 +8,7 @@ import redis
 
 from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.keys import Keys
-from onlinerl.rollout.decision import ArmStats
-from onlinerl.rollout.records import DecisionRecord
+from onlinerl.rollout.records import ArmStats, DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 

@@ -18,8 +18,7 @@ import redis
 
 from onlinerl.arms import STABLE, Arm
 from onlinerl.keys import Keys
-from onlinerl.rollout.decision import ArmStats
-from onlinerl.rollout.records import DecisionRecord, RolloutState
+from onlinerl.rollout.records import ArmStats, DecisionRecord, RolloutState
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 
 DECISIONS_MAXLEN = 10_000

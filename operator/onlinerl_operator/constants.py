@@ -38,6 +38,6 @@ TRAINER_METRICS_PORT = 8003
 RELOADER_PORT = 8004
 ROLLOUT_PORT = 8005
 EVAL_DATA_DIR = "/eval-data"
-GATE_EVALUATOR = "onlinerl.loop.gate_eval:evaluate"
+GATE_EVALUATOR = "onlinerl_rollout.gate_eval:evaluate"
 OPERATOR_PORT = 8080
 REDIS_PORT = 6379

@@ -3,8 +3,8 @@
 Thin by design: every decision lives in reconcile.py (I/O) and render.py/status.py/spec.py (pure). Handlers return
 None so kopf writes no handler results into status; its progress and diff-base live in annotations (settings()).
 Failures become kopf's typed retries here: a refused step (:class:`StepFailure`) and an unreachable data plane are
-``kopf.TemporaryError`` with the step's delay; a refusal no retry can fix (an invalid object) is ``kopf.PermanentError``
-until the spec changes. Anything else is a bug and propagates as one.
+``kopf.TemporaryError`` with the delay of their kind (403 slow, 422 slower, 409 at once). Anything else is a bug and
+propagates as one.
 """
 
 from __future__ import annotations
@@ -75,8 +75,6 @@ def build_registry(
                 await memo["reconciler"].reconcile(namespace, name, apply=apply)
             except StepFailure as failure:
                 RECONCILES.labels(kind=kind, result=str(failure.reason)).inc()
-                if failure.retry_after is None:
-                    raise kopf.PermanentError(failure.message) from None
                 raise kopf.TemporaryError(failure.message, delay=failure.retry_after) from None
             except Exception:
                 RECONCILES.labels(kind=kind, result="error").inc()

@@ -64,13 +64,13 @@ DATA_PLANE_ERRORS = (RedisError, OSError, LookupError)
 
 @dataclass
 class StepFailure(Exception):
-    """A reconcile step the Kubernetes API refused: typed reason, a message that says what to do, and the retry
-    (``retry_after`` seconds; None: not until the spec changes)."""
+    """A reconcile step the Kubernetes API refused: typed reason, a message that says what to do, and when to try
+    again (``retry_after`` seconds; a spec change retries at once)."""
 
     step: str
     reason: Reason
     message: str
-    retry_after: float | None
+    retry_after: float
 
     def __str__(self) -> str:
         return self.message
@@ -81,6 +81,7 @@ class RetryPolicy:
     """Seconds before a refused step is tried again, by kind of refusal (tests shorten them)."""
 
     forbidden: float = 60.0  # RBAC: an admin can grant the verb without touching the spec
+    invalid: float = 300.0  # 400/422: the spec must change (or an admission policy): look again now and then
     conflict: float = 1.0  # someone else wrote first: read again and retry at once
     unavailable: float = 5.0  # 429/5xx/anything else
 
@@ -99,8 +100,9 @@ def classify(step: str, exc: KubeError, retry: RetryPolicy = RetryPolicy()) -> S
         return StepFailure(
             step,
             Reason.API_INVALID,
-            f"{step}: the API refused the object ({exc}); fix the spec field it names (retried on a spec change)",
-            None,
+            f"{step}: the API refused the object ({exc}); fix the spec field it names (retried on a spec change, "
+            f"and every {retry.invalid:g} s in case an admission policy changed)",
+            retry.invalid,
         )
     if exc.status == 409:
         return StepFailure(step, Reason.API_CONFLICT, f"{step}: conflict ({exc}); retrying", retry.conflict)
@@ -461,6 +463,9 @@ class Reconciler:
     async def apply_rollback(self, ns: str, name: str, version: int) -> str:
         """spec.rollout.rollbackTo, once per value: the CLI's rollback. Returns a problem ("" when done) and records
         ``appliedRollbackTo`` in status."""
+        body = await self.kube.get("OnlineRLJob", ns, name)
+        if ((body or {}).get("status") or {}).get("appliedRollbackTo") == version:
+            return ""  # carried out already: kopf may deliver one field change more than once
         url = await self._data_plane_url(ns, name)
         if url is None:
             return ""

@@ -530,7 +530,7 @@ def rollout_deployment(ctx: RenderContext) -> Manifest | None:
     container = {
         "name": "rollout",
         **image,
-        "command": ["python", "-m", "onlinerl.rollout"],
+        "command": ["python", "-m", "onlinerl_rollout"],
         "ports": [{"name": "metrics", "containerPort": c.ROLLOUT_PORT, "protocol": "TCP"}],
         "env": env,
         "resources": resources(cfg.feedback.resources, 0, {"cpu": "100m", "memory": "256Mi"}),

@@ -41,7 +41,7 @@ class Reason(StrEnum):
     HEALTHY = "Healthy"
     # The Kubernetes API refused a reconcile step (Degraded): the step and what to do are in the message.
     API_FORBIDDEN = "ApiForbidden"  # 403: RBAC; retried slowly, an admin can grant it without a spec change
-    API_INVALID = "ApiInvalid"  # 400/422: the rendered object is refused; retried only on a spec change
+    API_INVALID = "ApiInvalid"  # 400/422: the rendered object is refused; retried on a spec change, or slowly
     API_CONFLICT = "ApiConflict"  # 409: someone else changed it; retried at once
     API_UNAVAILABLE = "ApiUnavailable"  # 429/5xx and anything else: retried with a delay
 

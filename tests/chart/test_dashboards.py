@@ -58,6 +58,9 @@ REQUIRED_ALERTS = {
     "OnlineRLFeedbackServerErrors",
     "OnlineRLFeedbackThrottling",
     "OnlineRLServingErrorRate",
+    "OnlineRLContributionLimited",
+    "OnlineRLUserQuarantined",
+    "OnlineRLCheckpointAnnouncementRefused",
 }
 
 

@@ -61,6 +61,9 @@ class Exposition:
                 assert f"\n{series}" in "\n" + self.text or f"\n{series}{{" in "\n" + self.text, series
 
 
+EVALUATOR = "tests.rollout.evaluators:plain_code"
+
+
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[dict[str, Exposition]]:
     """Start feedback, gateway (engine down), reloader and trainer; drive traffic; scrape each /metrics once."""
@@ -101,9 +104,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> 
         "trainer": Child("trainer", python_module("onlinerl_trainer"), tmp / "trainer.log", env=env),
         "rollout": Child(
             "rollout",
-            python_module("onlinerl.rollout", "--interval", "0.5"),
+            python_module("onlinerl_rollout", "--interval", "0.5"),
             tmp / "rollout.log",
-            env={**env, "ONLINERL_ROLLOUT_PORT": str(ports["rollout"])},
+            # the gate is on by default and needs an evaluator: the fixed one of the rollout tests
+            env={**env, "ONLINERL_ROLLOUT_PORT": str(ports["rollout"]), "ONLINERL_ROLLOUT_EVALUATOR": EVALUATOR},
         ),
     }
     urls = {name: f"http://127.0.0.1:{ports[name]}" for name in children}

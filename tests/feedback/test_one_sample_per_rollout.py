@@ -168,9 +168,13 @@ def test_another_tenant_cannot_burn_or_replay_a_rollout(server, r, keys, http, t
 def test_append_script_never_leaves_a_rollout_hash_without_ttl(r, keys):
     """The rollout hash expired between our read and the append: the mark recreates it, with the rollout TTL."""
     hash_key = keys.rollouts("acme", "gone")
-    argv = ["3600", b'{"x":1}', "0", "accepted_for_training", keys.rated_field("cmpl-x"), "1800", "shown", "1"]
-    keys_ = [keys.seen("acme", "c1"), keys.samples, hash_key, keys.stats(0, "stable")]
-    created, entry_id = r.eval(APPEND_LUA, len(keys_), *keys_, *argv)
+    no_limit = ["0", "0", "", "", "0", "0", "0", "0", "0", "rejected"]  # not subject to the limit step (limits.py)
+    argv = ["3600", b'{"x":1}', "0", "accepted_for_training", keys.rated_field("cmpl-x"), "1800", "100000"]
+    argv += [*no_limit, "shown", "1"]
+    per_user = [keys.contrib("acme", "u", 0), keys.quarantine("acme", "u"), keys.user_stats("acme", "u")]
+    keys_ = [keys.seen("acme", "c1"), keys.samples, keys.audit, hash_key, keys.stats(0, "stable")]
+    keys_ += [*per_user, keys.user_stats("acme")]
+    created, entry_id, _ = r.eval(APPEND_LUA, len(keys_), *keys_, *argv)
     assert created == 1
     assert r.hget(hash_key, keys.rated_field("cmpl-x")) == b"accepted_for_training " + entry_id
     assert 0 < r.ttl(hash_key) <= 1800

@@ -65,7 +65,7 @@ def _rollout_controller(tmp_path: Path, name: str, url: str) -> tuple[Child, int
         "rollout": {"gate": {"enabled": False}},
     }
     cfg.write_text(yaml.safe_dump(spec))
-    argv = [sys.executable, "-m", "onlinerl.rollout", "--config", str(cfg), "--port", str(port), "--interval", "0.2"]
+    argv = [sys.executable, "-m", "onlinerl_rollout", "--config", str(cfg), "--port", str(port), "--interval", "0.2"]
     return Child(name, argv, tmp_path / f"{name}.log").start(), port
 
 

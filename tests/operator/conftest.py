@@ -26,7 +26,7 @@ NS = "team-a"
 CR_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
 INTERVAL = 0.2
 # The production delays (60 s for a 403) scaled down: a test sees the retry follow within its timeout.
-RETRY = RetryPolicy(forbidden=0.6, conflict=0.2, unavailable=0.3)
+RETRY = RetryPolicy(forbidden=0.6, invalid=0.8, conflict=0.2, unavailable=0.3)
 
 
 async def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:

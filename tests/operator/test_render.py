@@ -210,7 +210,8 @@ def test_rendering_is_deterministic_and_config_changes_roll_the_pods() -> None:
     old, new = pod_hash(a), pod_hash(render_all(changed))
     assert old != new
     # Suspending the trainer or pinning a version must not restart serving (both act at runtime).
-    for runtime_only in ({"trainer": {**SPECS["demo"]["trainer"], "suspend": True}}, {"rollout": {"pinnedVersion": 2}}):
+    pinned = {"rollout": {**SPECS["demo"].get("rollout", {}), "pinnedVersion": 2}}  # the rest of the section kept
+    for runtime_only in ({"trainer": {**SPECS["demo"]["trainer"], "suspend": True}}, pinned):
         same = RenderContext(
             name="demo", namespace="team-a", uid=UID, cfg=parse_spec("demo", {**SPECS["demo"], **runtime_only})
         )
@@ -246,7 +247,7 @@ def test_rollout_controller_only_with_canary_strategy() -> None:
     dep = objs[("Deployment", f"{canary}-rollout")]
     pod = dep["spec"]["template"]["spec"]
     main = pod["containers"][0]
-    assert main["command"] == ["python", "-m", "onlinerl.rollout"] and dep["spec"]["replicas"] == 1
+    assert main["command"] == ["python", "-m", "onlinerl_rollout"] and dep["spec"]["replicas"] == 1
     env = {e["name"]: e.get("value") for e in main["env"]}
     assert env["ONLINERL_ROLLOUT_EVALUATOR"] == c.GATE_EVALUATOR
     assert env["ONLINERL_GATEWAY_URL"] == f"http://{canary}-serving:{ctx.cfg.serving.port}"

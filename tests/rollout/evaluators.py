@@ -1,9 +1,9 @@
-"""An evaluator plugged into ``python -m onlinerl.rollout --evaluator tests.rollout.evaluators:plain_code``."""
+"""An evaluator plugged into ``python -m onlinerl_rollout --evaluator tests.rollout.evaluators:plain_code``."""
 
 from __future__ import annotations
 
-from onlinerl.rollout.controller import EvalRequest
-from onlinerl.rollout.gate import EvalRecord, GateInput
+from onlinerl_rollout.controller import EvalRequest
+from onlinerl_rollout.gate import EvalRecord, GateInput
 
 
 def plain_code(req: EvalRequest) -> GateInput:

@@ -9,11 +9,11 @@ import redis
 
 from onlinerl.config import RolloutConfig
 from onlinerl.keys import Keys
-from onlinerl.rollout.controller import EvalRequest, RolloutController
-from onlinerl.rollout.gate import EvalRecord, GateInput
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
+from onlinerl_rollout.controller import EvalRequest, RolloutController
+from onlinerl_rollout.gate import EvalRecord, GateInput
 from tests.rollout.sim import ArmSimulator, Truth, publish_loaded
 
 JOB = "canary"

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from onlinerl.rollout.decision import ArmStats, DecisionRules, decide, look_index, look_threshold
-from onlinerl.rollout.posterior import EXACT_TERMS, BetaPosterior, _normal_prob_greater, prob_greater
+from onlinerl.rollout.records import ArmStats
+from onlinerl_rollout.decision import DecisionRules, decide, look_index, look_threshold
+from onlinerl_rollout.posterior import EXACT_TERMS, BetaPosterior, _normal_prob_greater, prob_greater
 
 RULES = DecisionRules(min_samples=200, min_dwell_seconds=60, promote_probability=0.95, rollback_probability=0.95)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from onlinerl.config import OnlineRLConfig, from_mapping
-from onlinerl.rollout.decision import DecisionRules, Guardrails
 from onlinerl_operator.render import RenderContext, render_all
+from onlinerl_rollout.decision import DecisionRules, Guardrails
 
 
 def test_empty_config_is_canary_with_gate_and_guardrails() -> None:
@@ -23,4 +23,4 @@ def test_operator_renders_the_controller_for_a_default_spec() -> None:
     assert "j-rollout" in deployments
     [ctl] = [m for m in render_all(ctx) if m["metadata"]["name"] == "j-rollout" and m["kind"] == "Deployment"]
     env = {e["name"]: e.get("value") for e in ctl["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["ONLINERL_ROLLOUT_EVALUATOR"] == "onlinerl.loop.gate_eval:evaluate"
+    assert env["ONLINERL_ROLLOUT_EVALUATOR"] == "onlinerl_rollout.gate_eval:evaluate"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from onlinerl.config import GateConfig
-from onlinerl.rollout.gate import EvalRecord, GateInput, GateThresholds, evaluate_gate, repetition_score
+from onlinerl_rollout.gate import EvalRecord, GateInput, GateThresholds, evaluate_gate, repetition_score
 
 TH = GateThresholds.from_config(GateConfig(eval_samples=60))
 CODE = [

@@ -1,4 +1,4 @@
-"""``python -m onlinerl.rollout`` as a real process: gates a loaded version, promotes it on live counters, serves
+"""``python -m onlinerl_rollout`` as a real process: gates a loaded version, promotes it on live counters, serves
 /metrics and /healthz, stops cleanly on SIGTERM; refuses to start without an evaluator when the gate is on."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_controller_process_gates_and_promotes(valkey, redis_client, tmp_path) -
     child = Child(
         "rollout",
         python_module(
-            "onlinerl.rollout",
+            "onlinerl_rollout",
             "--interval",
             "0.1",
             "--port",
@@ -78,7 +78,7 @@ def test_refuses_to_start_without_evaluator(valkey) -> None:
     import os
 
     proc = subprocess.run(
-        [sys.executable, "-m", "onlinerl.rollout"],
+        [sys.executable, "-m", "onlinerl_rollout"],
         env={**os.environ, **env(valkey.url)},
         capture_output=True,
         text=True,

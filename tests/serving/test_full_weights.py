@@ -172,6 +172,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory, keys_file: Path, tiny_model_pa
             "drainTimeoutSeconds": 30,
         },
         rollout={"strategy": "direct"},
+        storage={"checkpointDir": str(tmp / "ckpt")},  # the reloader loads only from {checkpointDir}/{job}/v{N}
     )
     cfg_path = write_config(tmp / "config.yaml", **sections)
     cfg = from_mapping({"job": JOB, **sections})

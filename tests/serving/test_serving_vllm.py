@@ -636,8 +636,8 @@ def test_rollback_reaches_serving_with_no_failed_request(stack: Stack) -> None:
 def test_gate_evaluator_evaluates_both_versions_through_the_gateway(stack: Stack, tmp_path: Path, monkeypatch) -> None:
     """The rollout gate's real evaluator: held-out samples, Continue's request, each version pinned explicitly."""
     from onlinerl.data.builder import FimSample, write_jsonl
-    from onlinerl.loop.gate_eval import evaluate
-    from onlinerl.rollout.controller import EvalRequest
+    from onlinerl_rollout.controller import EvalRequest
+    from onlinerl_rollout.gate_eval import evaluate
 
     samples = [
         FimSample(f"s{i}", "line", "a.py", 1, 1, f"def f{i}(a, b):\n    return ", "a + b", "\n") for i in range(3)
@@ -683,3 +683,38 @@ def test_only_eval_keys_may_pin_a_version(stack: Stack) -> None:
     rec = record_for(stack, "acme", PROMPT, ok.headers["x-onlinerl-rollout-id"])
     assert (rec.arm, rec.policy_version) == ("eval", 0)
     assert int(stack.redis.hget(stack.keys.stats(0, "eval"), "served")) == before + 1
+
+
+def _refused(s: Stack) -> dict[str, float]:
+    text = httpx.get(f"{s.reloader_url}/metrics").text
+    prefix = "onlinerl_reloader_refused_announcements_total{"
+    return {
+        line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def test_poisoned_announcements_are_refused_and_a_good_one_after_them_loads(stack: Stack) -> None:
+    """Issue 17: a real LoRA folder announced from outside ``{checkpointDir}/{job}/v{N}`` (directly, or through a
+    symlink with the right name) is never loaded into vLLM; the reloader keeps running and loads the good v6 after."""
+    elsewhere = stack.ckpt_root.parent / "elsewhere"
+    foreign = write_lora_checkpoint(JOB, stack.base_model, elsewhere, 6)  # consistent manifest, wrong place
+    before = _refused(stack)
+    announce(stack.redis, JOB, 6, foreign)
+    link = stack.ckpt_root / JOB / "v6"
+    link.parent.mkdir(parents=True, exist_ok=True)  # run alone, no version was published before
+    link.symlink_to(foreign)
+    announce(stack.redis, JOB, 6, link)
+    expected = {
+        "outside_checkpoint_dir": before.get("outside_checkpoint_dir", 0) + 1,
+        "symlink_escape": before.get("symlink_escape", 0) + 1,
+    }
+    wait_for(lambda: {k: _refused(stack).get(k) for k in expected} == expected, 15, what="both refusals counted")
+    assert adapter_name(JOB, 6) not in engine_models(stack) and version_state(stack, 6) is None
+    link.unlink()
+    good = write_lora_checkpoint(JOB, stack.base_model, stack.ckpt_root, 6, seed=66)
+    announce(stack.redis, JOB, 6, good)
+    wait_for(lambda: adapter_name(JOB, 6) in engine_models(stack), 60, what="the good v6 loaded")
+    assert version_state(stack, 6).state == "loaded" and version_state(stack, 6).path == str(good)
+    assert httpx.get(f"{stack.reloader_url}/healthz").json()["ok"] is True

@@ -16,17 +16,36 @@ def test_batch_and_no_baseline():
 
 def test_running_baseline_per_tenant_uses_value_before_the_batch():
     rb = RunningBaseline(momentum=0.5)
-    # First batch: each tenant starts at its own batch mean (a: 0.5, b: -0.25).
+    # First batch: each unseen tenant starts at the prior (0: the reward of showing nothing), so a reject is
+    # already below it.
     adv = compute_advantages([1.0, 0.0, -0.25], ["a", "a", "b"], baseline="running", running=rb)
-    assert adv == pytest.approx([0.5, -0.5, 0.0])
-    assert rb.means == pytest.approx({"a": 0.5, "b": -0.25})
-    # Second batch for a: baseline is the old 0.5, then it moves halfway to the batch mean 1.0.
+    assert adv == pytest.approx([1.0, 0.0, -0.25])
+    # Then halfway from the prior to the batch mean (a: 0.5, b: -0.25).
+    assert rb.means == pytest.approx({"a": 0.25, "b": -0.125})
+    # Second batch for a: baseline is the old 0.25, then it moves halfway to the batch mean 1.0.
     adv = compute_advantages([1.0], ["a"], baseline="running", running=rb)
-    assert adv == pytest.approx([0.5])
-    assert rb.means["a"] == pytest.approx(0.75)
+    assert adv == pytest.approx([0.75])
+    assert rb.means["a"] == pytest.approx(0.625)
     restored = RunningBaseline(0.5)
     restored.load_state_dict(rb.state_dict())
     assert restored.means == rb.means
+
+
+def test_a_tenants_first_rejects_have_negative_advantage_under_a_prior():
+    """The bug this guards: starting an unseen tenant at its own batch mean made a batch of rejects its own
+    baseline (advantage 0, no gradient). The prior is the reward table's `empty` (Cursor: 0)."""
+    rejects = [-0.25] * 4
+    assert compute_advantages(rejects, ["t"] * 4, baseline="running", running=RunningBaseline(0.9)) == pytest.approx(
+        [-0.25] * 4
+    )
+    prior = RunningBaseline(0.9, prior=0.1)  # a custom reward table whose `empty` is 0.1
+    assert compute_advantages(rejects, ["t"] * 4, baseline="running", running=prior) == pytest.approx([-0.35] * 4)
+    assert prior.means["t"] == pytest.approx(0.9 * 0.1 + 0.1 * -0.25)
+    # A known tenant keeps its own mean, whatever the prior.
+    assert compute_advantages([0.75], ["t"], baseline="running", running=prior) == pytest.approx([0.75 - 0.065])
+    # prior=None: the old behaviour, kept for callers that ask for it (a first batch is its own baseline).
+    legacy = RunningBaseline(0.9, prior=None)
+    assert compute_advantages(rejects, ["t"] * 4, baseline="running", running=legacy) == pytest.approx([0.0] * 4)
 
 
 def test_normalisation_divides_by_std():

@@ -20,10 +20,10 @@ from onlinerl.valkey import free_port
 from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
 from onlinerl_trainer.batching import collate
 from onlinerl_trainer.engine_torch import TorchEngine
+from onlinerl_trainer.learner import pad_id as _pad_id
 from onlinerl_trainer.policy import load_policy
 from onlinerl_trainer.ranks import Ranks, ranks_from_env, shard_slices
 from onlinerl_trainer.stream import DEFAULT_CONSUMER
-from onlinerl_trainer.trainer import _pad_id
 from onlinerl_trainer.update import ppo_update
 
 from .conftest import JOB, trainer_config, xadd_samples

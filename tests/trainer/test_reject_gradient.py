@@ -75,12 +75,6 @@ def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, valkey,
     assert "onlinerl_trainer_inert_samples_total 0.0" in trainer.metrics.render().decode()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the running baseline of a tenant seen for the first time is its own batch's mean reward, so a first batch "
-    "of rejects has advantage 0 and is acknowledged as inert (advantages.py RunningBaseline.values); a prior "
-    "(e.g. the reward table's `empty` value, 0) as the first baseline would give it -0.25. Remove this marker then.",
-)
 def test_a_tenants_first_batch_of_rejects_moves_the_policy(tmp_path, redis_client, valkey, tiny_model_path, enc):
     reward = RewardConfig()
     cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=_product_algorithm())
@@ -90,6 +84,10 @@ def test_a_tenants_first_batch_of_rejects_moves_the_policy(tmp_path, redis_clien
     (before,) = logprobs_now(trainer, [(prompt, rejected)])
     samples = [make_sample(i, prompt, rejected, before, reward.rejected, trainer.version) for i in range(8)]
     xadd_samples(redis_client, samples)
-    trainer.train_on(trainer.collect())
+    stats = trainer.train_on(trainer.collect())
+    # The unseen tenant starts at the prior (reward.empty), not at its own batch's mean: every reject is below it.
+    assert stats is not None, "a tenant's first rejects were dropped as inert"
+    assert stats["advantage_mean"] == pytest.approx(reward.rejected - reward.empty)
+    assert "onlinerl_trainer_inert_samples_total 0.0" in trainer.metrics.render().decode()
     (after,) = logprobs_now(trainer, [(prompt, rejected)])
     assert sum(after) < sum(before)

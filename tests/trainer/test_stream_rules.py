@@ -118,4 +118,8 @@ def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_
         tmp_path / "ckpt2", valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.1}
     )
     rows = [StreamSample("1-0", sample(1, reward=1.0), 0), StreamSample("2-0", sample(2, reward=0.0), 0)]
-    assert Trainer(cfg_kl, redis_client, tiny_model_path)._without_inert(rows, [1.0, 0.0]) == (rows, [1.0, 0.0], [])
+    assert Trainer(cfg_kl, redis_client, tiny_model_path).feed._without_inert(rows, [1.0, 0.0]) == (
+        rows,
+        [1.0, 0.0],
+        [],
+    )

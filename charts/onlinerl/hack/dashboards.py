@@ -553,6 +553,38 @@ def feedback() -> dict[str, Any]:
             description="429 = backlog over feedback.maxBacklog, 503 = Redis unavailable.",
         ),
         Panel(
+            "Contribution limits and quarantine",
+            "timeseries",
+            [
+                (
+                    f"sum by (tenant) (increase({sel('onlinerl_feedback_contribution_limited_total')}"
+                    "[$__rate_interval]))",
+                    "over limit {{tenant}}",
+                ),
+                (
+                    f"sum by (tenant) (increase({sel('onlinerl_feedback_quarantined_total')}[$__rate_interval]))",
+                    "quarantined {{tenant}}",
+                ),
+                (
+                    f"sum by (tenant) (increase({sel('onlinerl_feedback_users_quarantined_total')}[$__rate_interval]))",
+                    "users quarantined {{tenant}}",
+                ),
+            ],
+            bars=True,
+            decimals=0,
+            description="Events audited instead of trained: an API key over feedback.limits.maxSamplesPerUserPerHour, "
+            "or a key whose accept rate is far above its tenant's (quarantined until an admin releases it).",
+        ),
+        Panel(
+            "Silence outcomes (sweeper)",
+            "timeseries",
+            [(f"sum by (result) (increase({sel('onlinerl_feedback_silence_total')}[$__rate_interval]))", "{{result}}")],
+            bars=True,
+            decimals=0,
+            description="Rollouts of tenants with feedback.silence on that got no outcome within the window: trained "
+            "(empty reward) or audited (eval, greedy); rated = a real outcome came first; expired/invalid = skipped.",
+        ),
+        Panel(
             "Feedback request latency",
             "timeseries",
             [
@@ -722,23 +754,46 @@ def trainer() -> dict[str, Any]:
             description="Acknowledged untrained: over the staleness limit, or zero advantage with no KL/entropy.",
         ),
         Panel(
+            "Publisher lease held",
+            "stat",
+            [(f"max({sel('onlinerl_trainer_lease_held')})", "")],
+            width=4,
+            description="1 when this trainer holds the fenced publisher lease: exactly one trainer may announce "
+            "checkpoints and acknowledge samples. 0 on every pod: nobody is training.",
+        ),
+        Panel(
             "Last step: samples/s and tokens/s",
             "timeseries",
             [
                 (gauge("onlinerl_trainer_samples_per_second"), "samples/s"),
                 (gauge("onlinerl_trainer_tokens_per_second"), "tokens/s"),
             ],
-            width=12,
+            width=8,
             description="Throughput of the most recent step alone (the rate panels average over the window).",
         ),
         Panel(
-            "Invalid stream entries",
+            "Refused and dropped stream entries",
             "timeseries",
-            [(f"sum(increase({sel('onlinerl_trainer_invalid_samples_total')}[$__rate_interval]))", "invalid")],
+            [
+                (
+                    f"sum by (reason) (increase({sel('onlinerl_trainer_invalid_samples_total')}[$__rate_interval]))",
+                    "invalid {{reason}}",
+                ),
+                (
+                    f"sum by (reason) (increase({sel('onlinerl_trainer_dropped_samples_total')}[$__rate_interval]))",
+                    "dropped {{reason}}",
+                ),
+                (
+                    f"sum(increase({sel('onlinerl_trainer_corrupt_checkpoints_total')}[$__rate_interval]))",
+                    "corrupt checkpoint refused",
+                ),
+            ],
             width=12,
             bars=True,
             decimals=0,
-            description="Samples-stream entries that are not a valid TrainingSample: acknowledged, not trained.",
+            description="Acknowledged, never trained: entries that are not a valid TrainingSample (out-of-vocabulary "
+            "ids, non-finite numbers...), samples too long to train uncut or already trained into a kept version; "
+            "and checkpoints refused at resume because a file no longer matches its manifest.",
         ),
     ]
     return dashboard(
@@ -817,6 +872,22 @@ def serving() -> dict[str, Any]:
             ],
             "s",
             width=12,
+        ),
+        Panel(
+            "Refused checkpoint announcements",
+            "timeseries",
+            [
+                (
+                    f"sum by (reason) (increase({sel('onlinerl_reloader_refused_announcements_total')}"
+                    "[$__rate_interval]))",
+                    "{{reason}}",
+                )
+            ],
+            width=24,
+            bars=True,
+            decimals=0,
+            description="Announcements whose path is not {checkpointDir}/{job}/v{N}, or whose manifest or files do "
+            "not match: someone else wrote to the checkpoints stream or the volume.",
         ),
         Row("Gateway"),
         Panel(

@@ -35,11 +35,13 @@ from onlinerl.schemas import CompletionOutcome
 from onlinerl.tokens import TokenTable
 
 from .backlog import BacklogMonitor
-from .decide import ACCEPTED, DUPLICATE, REJECTED, UNMATCHED, decide
+from .decide import ACCEPTED, CONTRIBUTION_LIMIT, DUPLICATE, REJECTED, UNMATCHED, decide
+from .limits import user_of
 from .metrics import FeedbackMetrics
 from .pipeliner import Pipeliner, RedisUnavailable
 from .prompts import configured_template, event_prompt
 from .store import FeedbackStore
+from .sweeper import SilenceSweeper, silence_counter
 
 log = logging.getLogger("onlinerl_feedback")
 
@@ -139,6 +141,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
     fb = cfg.feedback
     keys = Keys(cfg.job)
     metrics = FeedbackMetrics()
+    silenced = silence_counter(metrics.registry)  # onlinerl_feedback_silence_total{result}
     template = configured_template(cfg)
     retry_after = {"Retry-After": str(fb.retry_after_seconds)}
     deps: Deps | None = None
@@ -153,12 +156,15 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         writes.start()
         await monitor.refresh()
         monitor.start()
-        store = FeedbackStore(reads, writes, keys, fb.dedupe_ttl_seconds, cfg.redis.rollout_ttl_seconds)
+        sweeper = SilenceSweeper(client, keys, fb, silenced)  # starts only if a tenant has silence on
+        sweeper.start()
+        store = FeedbackStore(reads, writes, keys, fb.dedupe_ttl_seconds, cfg.redis.rollout_ttl_seconds, fb.limits)
         deps = Deps(store, monitor, client)
         app.state.deps = deps
         try:
             yield
         finally:
+            await sweeper.close()
             await monitor.close()
             await writes.close()
             await reads.close()
@@ -190,11 +196,13 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         }
         await reply(send, r.code, body, retry_after_header if r.retry_after else None)
 
-    def authenticate(headers: dict[bytes, bytes]) -> str:
+    def authenticate(headers: dict[bytes, bytes]) -> tuple[str, str]:
+        """``(tenant, user)``: the user is the API key's id (limits.py), never anything the client says."""
         authorization = headers.get(b"authorization")
-        tenant = keyring.tenant_for(bearer_token(authorization.decode("latin-1") if authorization else None))
-        if tenant is None:
+        identity = keyring.identity_for(bearer_token(authorization.decode("latin-1") if authorization else None))
+        if identity is None:
             raise Reject(401, "unauthorized", "missing or unknown API key: send `Authorization: Bearer <key>`")
+        tenant = identity.tenant
         project = headers.get(PROJECT_HEADER)
         if not project:
             raise Reject(
@@ -207,7 +215,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             raise Reject(
                 403, "wrong_project", "this API key does not belong to the project in X-Project-ID", tenant=tenant
             )
-        return tenant
+        return tenant, user_of(identity.key_id)
 
     async def handle(scope: Scope, receive: Receive, send: Send) -> None:
         headers = request_headers(scope)
@@ -219,7 +227,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
                 f"request body exceeds feedback.maxBodyBytes={fb.max_body_bytes} bytes "
                 f"(Content-Length {declared.decode()})",
             )
-        tenant = authenticate(headers)
+        tenant, user = authenticate(headers)
         try:
             event = parse_event(await read_capped(receive, fb.max_body_bytes))
         except Reject as r:
@@ -238,7 +246,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         try:
             found = await deps.store.rollouts(tenant, prompt)
             decision = decide(event, tenant, prompt, found.records, fb, rated=found.rated, table=table)
-            result = await deps.store.append(event, tenant, prompt, decision)
+            result = await deps.store.append(event, tenant, prompt, decision, user)
         except (RedisUnavailable, RedisError, OSError) as exc:
             log.warning("redis unavailable: %s", exc)
             raise Reject(
@@ -255,6 +263,16 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             if "rollout_id" in decision.details:
                 first["rollout_id"] = decision.details["rollout_id"]
             return await reply(send, 200, first)
+        if result.limited:  # the user may not contribute now: audited, not trained, not counted (limits.py)
+            metrics.events.labels(REJECTED, tenant).inc()
+            (metrics.limited if result.reason == CONTRIBUTION_LIMIT else metrics.quarantined).labels(tenant).inc()
+            out = {"status": REJECTED, **body, "audit_id": result.entry_id, "reason": result.reason}
+            if "rollout_id" in decision.details:
+                out["rollout_id"] = decision.details["rollout_id"]
+            return await reply(send, 200, out)
+        if result.quarantined_now:
+            metrics.users_quarantined.labels(tenant).inc()
+            log.warning("tenant %s: user %s quarantined (accept rate far above the tenant's)", tenant, user)
         metrics.events.labels(decision.status, tenant).inc()
         if decision.status == UNMATCHED or (decision.status == ACCEPTED and decision.reason):
             metrics.join_misses.labels(decision.reason).inc()

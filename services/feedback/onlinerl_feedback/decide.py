@@ -41,6 +41,9 @@ CACHE_HIT = "cache_hit"
 EVAL_ARM = "eval_arm"
 GREEDY = "greedy_sampling"  # temperature 0: no log-prob of a tempered softmax describes an argmax (schemas.py)
 NO_SHOWN_TOKENS = "no_shown_tokens"
+# Reasons of a `rejected` event that would have contributed but whose user may not (limits.py, decided in the script).
+CONTRIBUTION_LIMIT = "contribution_limit"
+QUARANTINED = "quarantined"
 
 AUDIT_TEXT_LIMIT = 4096  # audit keeps the shown text for inspection, capped so a hostile client cannot bloat it
 
@@ -61,6 +64,12 @@ class Decision:
     details: dict = field(default_factory=dict)  # extra reply fields (rollout_id, match, reward, tokens)
     rates: str = ""  # rollout_id this event rates (sets its rated mark); "" = rates none
     first: str = ""  # duplicate only: "<outcome> <entry id>" of the event that rated the rollout
+
+    @property
+    def contributes(self) -> bool:
+        """Trained on, or counted in a canary arm's stats: what the per-user limits and quarantine apply to (an
+        eval-arm event is an evaluation's own request, counted under ``eval`` only)."""
+        return self.to_samples or (bool(self.counters) and self.arm != EVAL)
 
     @property
     def stats(self) -> tuple[str, ...]:

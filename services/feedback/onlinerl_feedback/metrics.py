@@ -45,6 +45,24 @@ class FeedbackMetrics:
         self.join_misses = Counter(
             "onlinerl_feedback_join_misses_total", "Events matching no served completion.", ["reason"], registry=r
         )
+        self.limited = Counter(
+            "onlinerl_feedback_contribution_limited_total",
+            "Events audited because their user (API key) is over feedback.limits.maxSamplesPerUserPerHour.",
+            ["tenant"],
+            registry=r,
+        )
+        self.quarantined = Counter(
+            "onlinerl_feedback_quarantined_total",
+            "Events audited because their user is quarantined (accept rate far above the tenant's).",
+            ["tenant"],
+            registry=r,
+        )
+        self.users_quarantined = Counter(
+            "onlinerl_feedback_users_quarantined_total",
+            "Users newly quarantined by the anomaly test.",
+            ["tenant"],
+            registry=r,
+        )
         self.responses = Counter(
             "onlinerl_feedback_responses_total", "HTTP responses by status code.", ["code"], registry=r
         )

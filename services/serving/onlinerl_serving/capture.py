@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from onlinerl.keys import Keys
+from onlinerl.config import SilenceConfig
+from onlinerl.keys import Keys, prompt_digest
 from onlinerl.redis_pipe import PipelinedConnection
 from onlinerl.schemas import RolloutRecord, SamplingParams
 
@@ -107,11 +108,20 @@ def client_view(payload: dict[str, Any], *, logprobs: int | None, token_ids: boo
     return out
 
 
-# HSET the record, refresh the hash's TTL, count it as served: one atomic command, one round trip. Both keys carry
-# the job's hash tag, so this also runs on Redis Cluster.
+# HSET the record, refresh the hash's TTL, count it as served: one atomic command, one round trip. Every key carries
+# the job's hash tag, so this also runs on Redis Cluster. For a tenant with silence tracking on (KEYS[3] given), the
+# rollout also joins the tenant's due-set, scored by its finish time, in the same step: a rollout a client can rate is
+# always one the silence sweeper will find. Entries older than the records' TTL are dropped (their records are gone)
+# so the set stays bounded even when no sweeper runs; the set itself expires with the last record.
+# KEYS: rollouts hash, stats, [silence due-set]. ARGV: rollout_id, record json, ttl, [member, finished_at, cut-off].
 _STORE_ROLLOUT = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if #KEYS >= 3 then
+  redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[6])
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
 return redis.call('HINCRBY', KEYS[2], 'served', 1)
 """
 
@@ -122,17 +132,27 @@ class RolloutStore:
     Plain EVAL of the short script (no EVALSHA): Redis hashes and caches it, and there is no NOSCRIPT round trip
     after a Redis restart that would leave the record unwritten when the client's ``[DONE]`` goes out."""
 
-    def __init__(self, redis: Any, keys: Keys, ttl_seconds: int) -> None:
+    def __init__(self, redis: Any, keys: Keys, ttl_seconds: int, silence: SilenceConfig | None = None) -> None:
         self.keys = keys
+        self.ttl_seconds = ttl_seconds
         self.ttl = str(ttl_seconds)
+        self.silence = silence or SilenceConfig()
         self._pipe = PipelinedConnection(redis)
+
+    def command(self, record: RolloutRecord) -> tuple:
+        """The one EVAL that records ``record`` (and, for a tenant with silence tracking on, marks it due)."""
+        keys = [self.keys.rollouts(record.tenant, record.prompt), self.keys.stats(record.policy_version, record.arm)]
+        argv: list[Any] = [record.rollout_id, record.to_json(), self.ttl]
+        if self.silence.tracked(record.tenant):
+            keys.append(self.keys.silence_due(record.tenant))
+            finished = record.finished_at or time.time()
+            member = f"{prompt_digest(record.prompt)} {record.rollout_id}"
+            argv += [member, repr(finished), repr(finished - self.ttl_seconds)]
+        return ("EVAL", _STORE_ROLLOUT, len(keys), *keys, *argv)
 
     async def send(self, record: RolloutRecord) -> asyncio.Future:
         """Send the write now (readable by others once Redis reads it); the future is Redis's acknowledgement."""
-        keys = [self.keys.rollouts(record.tenant, record.prompt), self.keys.stats(record.policy_version, record.arm)]
-        (acknowledged,) = await self._pipe.send(
-            [("EVAL", _STORE_ROLLOUT, len(keys), *keys, record.rollout_id, record.to_json(), self.ttl)]
-        )
+        (acknowledged,) = await self._pipe.send([self.command(record)])
         return acknowledged
 
     async def store(self, record: RolloutRecord) -> None:

@@ -1,13 +1,16 @@
 """How to start the vLLM OpenAI server that the gateway fronts: argv and environment from one config.
 
 Pure functions build the command line (so the local stack, the tests, the helm chart's docs and the operator can all
-agree on it); :func:`start_vllm` runs it as an :class:`onlinerl.procs.Child`. The server binds to loopback: its admin
-routes (LoRA load/unload, and the dev routes of full-weight mode) must never be reachable from outside the pod.
+agree on it); :func:`start_vllm` runs it as an :class:`onlinerl.procs.Child`, and ``python -m onlinerl_serving.engine``
+runs it for callers that must not import serving code (the local stack in the shared library). The server binds to
+loopback: its admin routes (LoRA load/unload, and the dev routes of full-weight mode) must never be reachable from
+outside the pod.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -92,6 +95,19 @@ def vllm_env(cfg: OnlineRLConfig, *, cpu: bool = True, kv_cache_gib: int = 1) ->
     return env
 
 
+def engine_process(
+    cfg: OnlineRLConfig, model_path: str | Path, *, port: int, cache_dir: Path
+) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` of the vLLM server on this machine: the one recipe behind :func:`start_vllm` and ``main``."""
+    cpu = on_cpu()
+    env = vllm_env(cfg, cpu=cpu)
+    if cpu:
+        # A private torch.compile cache: two vLLM-CPU processes compiling the same sampler kernel into the shared
+        # /tmp/torchinductor_$USER have produced a torn C++ file that kills the engine on its first request.
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / f"torchinductor-{port}")
+    return vllm_argv(cfg, model_path, port=port, cpu=cpu), env
+
+
 def start_vllm(
     cfg: OnlineRLConfig,
     model_path: str | Path,
@@ -102,13 +118,8 @@ def start_vllm(
     extra_env: Mapping[str, str] | None = None,
 ) -> Child:
     """Start vLLM and (unless ``wait_timeout`` is None) wait until ``/v1/models`` answers; the caller stops it."""
-    cpu = on_cpu()
-    env = vllm_env(cfg, cpu=cpu)
-    if cpu:
-        # A private torch.compile cache: two vLLM-CPU processes compiling the same sampler kernel into the shared
-        # /tmp/torchinductor_$USER have produced a torn C++ file that kills the engine on its first request.
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(log_path.parent / f"torchinductor-{port}")
-    child = Child("vllm", vllm_argv(cfg, model_path, port=port, cpu=cpu), log_path, env={**env, **(extra_env or {})})
+    argv, env = engine_process(cfg, model_path, port=port, cache_dir=log_path.parent)
+    child = Child("vllm", argv, log_path, env={**env, **(extra_env or {})})
     child.start()
     if wait_timeout is not None:
         try:
@@ -117,3 +128,36 @@ def start_vllm(
             child.stop()
             raise
     return child
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m onlinerl_serving.engine``: become the vLLM server for a job config (``exec``, so the process, its
+    pid and its signals are vLLM's own). Lets a caller that must not import serving code (``onlinerl up``, in the
+    shared library) start the engine with exactly this module's recipe."""
+    import argparse
+
+    from onlinerl.config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="python -m onlinerl_serving.engine", description=main.__doc__)
+    ap.add_argument("--config", "-c", default=None, help="job config (default: $ONLINERL_CONFIG)")
+    ap.add_argument("--model", default=None, help="model folder (default: model.path of the config)")
+    ap.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT)
+    ap.add_argument("--cache-dir", default=".", help="folder for the private torch.compile cache (CPU)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"onlinerl_serving.engine: error: {exc}", file=sys.stderr)
+        return 2
+    model = args.model or cfg.model.path
+    if not model:
+        print("onlinerl_serving.engine: error: model.path: no model folder (set it, or pass --model)", file=sys.stderr)
+        return 2
+    vllm, env = engine_process(cfg, model, port=args.port, cache_dir=Path(args.cache_dir))
+    sys.stdout.flush()
+    os.execvpe(vllm[0], vllm, {**os.environ, **env})
+    return 0  # not reached: exec replaces this process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

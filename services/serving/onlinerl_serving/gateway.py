@@ -32,6 +32,7 @@ from onlinerl.keys import Keys
 from onlinerl_serving.capture import RolloutAccumulator, RolloutStore, client_view
 from onlinerl_serving.errors import ApiError, pin_forbidden, unauthorized, unavailable
 from onlinerl_serving.metrics import GatewayMetrics
+from onlinerl_serving.openapi import openapi_document
 from onlinerl_serving.requests import (
     CompletionRequest,
     Limits,
@@ -65,11 +66,15 @@ def _forced_version(scope: Scope) -> int | None:
     raw = _header(scope, VERSION_HEADER)
     if raw is None:
         return None
-    if not raw.strip().isdigit():
+    text = raw.strip()
+    # ASCII digits only: str.isdigit() also takes latin-1 "²", which int() refuses (a 500 found by tests/fuzz)
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
         raise ApiError(
-            400, f"X-OnlineRL-Version must be a non-negative integer, got {raw!r}", param="X-OnlineRL-Version"
+            400,
+            f"X-OnlineRL-Version must be a non-negative integer (at most 18 digits), got {raw[:40]!r}",
+            param="X-OnlineRL-Version",
         )
-    return int(raw)
+    return int(text)
 
 
 def api_key_of(scope: Scope) -> str | None:
@@ -100,7 +105,7 @@ class Gateway:
             weights_mode=cfg.serving.weights_mode,
         )
         self.inflight: Tally[str] = Tally()
-        self.rollouts = RolloutStore(redis, self.keys, cfg.redis.rollout_ttl_seconds)
+        self.rollouts = RolloutStore(redis, self.keys, cfg.redis.rollout_ttl_seconds, cfg.feedback.silence)
 
     # --- routing ------------------------------------------------------------------------------------------------
     def pick(self, uhash: str, forced: int | None = None, held: int | None = None) -> tuple[PolicyRoute, str]:
@@ -530,6 +535,12 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    schema = orjson.dumps(openapi_document(gw.limits, cfg.model.served_name))
+
+    async def openapi(request: Request) -> Response:
+        """The public API's OpenAPI 3.1 document (no key needed: it holds no secret)."""
+        return Response(schema, media_type="application/json")
+
     async def readyz(request: Request) -> Response:
         ok = gw.state.engine_up and gw.state.redis_up and (cfg.serving.weights_mode != "full" or gw.state.weights.known)
         body = {
@@ -578,6 +589,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
             Route("/v1/completions", gw, methods=["POST"]),
             Route("/v1/models", models),
             Route("/healthz", healthz),
+            Route("/openapi.json", openapi),
             Route("/readyz", readyz),
             Route("/metrics", metrics),
             Route("/engine/metrics", engine_metrics),

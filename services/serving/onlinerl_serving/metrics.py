@@ -67,6 +67,12 @@ class ReloaderMetrics:
             registry=r,
         )
         self.loaded = Gauge("onlinerl_reloader_loaded_versions", "Versions loaded in vLLM.", registry=r)
+        self.refused = Counter(
+            "onlinerl_reloader_refused_announcements_total",
+            "Checkpoint announcements or folders refused (path outside the version folder, manifest, checksums).",
+            ["reason"],
+            registry=r,
+        )
         self.failed = Counter(
             "onlinerl_reloader_failed_versions_total", "Versions given up after maxLoadFailures.", registry=r
         )

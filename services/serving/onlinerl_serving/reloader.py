@@ -40,7 +40,7 @@ from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.holds import active_holds
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable, PolicyVersionState
-from onlinerl_serving.checkpoints import Announcement, CheckpointError, verify_checkpoint
+from onlinerl_serving.checkpoints import Announcement, CheckpointError, confine, validate
 from onlinerl_serving.engine_admin import EngineAdmin, EngineError
 from onlinerl_serving.metrics import ReloaderMetrics
 from onlinerl_serving.routing import served_model_name
@@ -126,16 +126,34 @@ class Reloader:
         return served_model_name(self.cfg.job, self.cfg.model.served_name, v, self.cfg.serving.weights_mode)
 
     # --- stream ---------------------------------------------------------------------------------------------------
+    def _refuse(self, what: str, exc: CheckpointError) -> None:
+        """An announcement (or its folder) we will not load: an ERROR line and the metric; the loop goes on."""
+        self.metrics.refused.labels(exc.reason).inc()
+        log.error("refused %s (%s): %s", what, exc.reason, exc)
+
     def _register(self, entry_id: Any, fields: dict[Any, Any]) -> None:
+        """Take an announcement only if its path is the announced version's folder (checkpoints.confine): a poisoned
+        entry never becomes a version, so a good announcement of the same version after it still counts."""
         try:
             ann = Announcement.from_entry(entry_id, fields)
+            confine(ann, self.cfg.storage.checkpoint_dir, self.cfg.job)
         except CheckpointError as exc:
-            log.error("%s", exc)
+            self._refuse(f"checkpoints entry {entry_id!r}", exc)
             return
-        if ann.version in self.versions:
-            return  # re-announced: a version's directory is immutable, the first announcement stands
+        known = self.versions.get(ann.version)
+        if known is not None:
+            # Re-announced: a version's directory is immutable, the first announcement stands. A different path or
+            # manifest for the same version is someone else's claim: refused and said so.
+            if (known.ann.path, known.ann.manifest_sha256) != (ann.path, ann.manifest_sha256):
+                message = f"v{ann.version} announced again as {ann.path} (first: {known.ann.path}); keeping the first"
+                self._refuse(f"checkpoints entry {ann.entry_id}", CheckpointError(message, "conflicting_announcement"))
+            return
         self.versions[ann.version] = Version(ann)
         log.info("checkpoint v%d announced at %s", ann.version, ann.path)
+
+    def validate(self, v: int) -> None:
+        """Place and contents of v's folder (blocking file I/O: run it in a thread); CheckpointError if refused."""
+        validate(self.versions[v].ann, self.cfg.storage.checkpoint_dir, self.cfg.job)
 
     async def read_stream(self, block_ms: int | None) -> None:
         kwargs = {"count": 100} if block_ms is None else {"count": 100, "block": block_ms}
@@ -244,10 +262,14 @@ class Reloader:
         await self._save_state(v)
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(verify_checkpoint, s.ann, self.cfg.job)
+            await asyncio.to_thread(self.validate, v)
             await self.admin.load_lora(self.model_name(v), s.ann.path)
             await self.admin.warm_up(self.model_name(v))
-        except (CheckpointError, EngineError, OSError) as exc:
+        except CheckpointError as exc:
+            self._refuse(f"v{v} at {s.ann.path}", exc)
+            await self._load_failed(v, str(exc))
+            return False
+        except (EngineError, OSError) as exc:
             await self._load_failed(v, str(exc))
             return False
         self.metrics.duration.observe(time.perf_counter() - t0)
@@ -304,8 +326,12 @@ class Reloader:
         if time.monotonic() < s.next_attempt:
             return False
         try:
-            await asyncio.to_thread(verify_checkpoint, s.ann, self.cfg.job)
-        except (CheckpointError, OSError) as exc:
+            await asyncio.to_thread(self.validate, v)
+        except CheckpointError as exc:
+            self._refuse(f"v{v} at {s.ann.path}", exc)
+            await self._load_failed(v, str(exc))
+            return False
+        except OSError as exc:
             await self._load_failed(v, str(exc))
             return False
         s.verified = True

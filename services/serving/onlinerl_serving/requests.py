@@ -40,6 +40,7 @@ NEUTRAL_SAMPLING: dict[str, float | int] = {
 _ALSO_NEUTRAL: dict[str, tuple[float | int, ...]] = {"top_k": (-1,)}  # vLLM's older "disabled" spelling
 MAX_LOGPROBS = 5
 MAX_STOP_SEQUENCES = 32
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
             param="prompt",
             code="missing_required_parameter" if prompt is None else "invalid_type",
         )
+    if not prompt:  # vLLM refuses a prompt of no tokens with its own 400, which does not name our field
+        raise bad_request("`prompt` must not be empty", param="prompt", code="invalid_value")
     if len(prompt) > limits.max_prompt_chars:
         raise bad_request(
             f"prompt is {len(prompt)} characters, over the cap serving.maxPromptChars="
@@ -184,8 +187,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     sampling: dict[str, Any] = {"temperature": float(temperature) if temperature >= GREEDY_BELOW else 0.0}
     seed = body.get("seed")
     if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise bad_request("`seed` must be an integer", param="seed", code="invalid_type")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX:
+            # vLLM takes a signed 64-bit seed; past it vLLM's own 400 would not say which field of ours is at fault
+            raise bad_request("`seed` must be an integer in the signed 64-bit range", param="seed", code="invalid_type")
         sampling["seed"] = seed
     for name, neutral in NEUTRAL_SAMPLING.items():
         value = body.get(name)

@@ -5,7 +5,10 @@ other ranks follow it (see ranks.py).
 
 Environment extras (not part of the job spec, since they identify the process rather than configure the job):
 ``ONLINERL_TRAINER_CONSUMER`` (stream consumer name, default ``trainer-0``: stable, so a restart finds its own
-pending samples) and ``ONLINERL_TRAINER_CLAIM_IDLE_SECONDS`` (take over another consumer's samples after this idle).
+pending samples), ``ONLINERL_TRAINER_CLAIM_IDLE_SECONDS`` (take over another consumer's samples after this idle),
+``ONLINERL_TRAINER_HOLDER`` (the lease holder's name, default the host name: the pod name) and
+``ONLINERL_TRAINER_LEASE_SECONDS`` (lease TTL, default 15; renewed every third of it). A trainer that cannot take the
+lease waits (status ``waiting_for_lease``); one that loses it exits with status 4 (``fenced_out``), publishing nothing.
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
 from onlinerl.config import ConfigError, load_config
+from onlinerl.keys import Keys
 from onlinerl.model import ModelError, resolve_model_path
 from onlinerl.redisconn import connect as redis_connect
+from onlinerl_trainer.checkpoint import CheckpointStore
 from onlinerl_trainer.engine import choose_engine_name
+from onlinerl_trainer.fence import FencedOut, Lease
+from onlinerl_trainer.learner import Learner
 from onlinerl_trainer.metrics import MetricsServer, TrainerMetrics
 from onlinerl_trainer.ranks import Ranks, ranks_from_env
 from onlinerl_trainer.stream import DEFAULT_CONSUMER
-from onlinerl_trainer.trainer import NonFiniteWeightsError, Trainer
+from onlinerl_trainer.trainer import NonFiniteWeightsError, Trainer, default_holder
 
 
 def main() -> int:
@@ -61,7 +69,20 @@ def main() -> int:
     server = MetricsServer(metrics, "0.0.0.0", cfg.trainer.metrics_port).start()
     # Blocking XREADGROUP waits at most Trainer.collect's poll (0.5 s): the reply deadline stays above it.
     client = redis_connect(cfg.redis, longest_block_seconds=1.0, health_check_interval=30)
+    keys = Keys(cfg.job)
+    lease = Lease(
+        client,
+        keys,
+        os.environ.get("ONLINERL_TRAINER_HOLDER") or default_holder(),
+        ttl_ms=int(float(os.environ.get("ONLINERL_TRAINER_LEASE_SECONDS", "15")) * 1000),
+    )
+    trainer = None
     try:
+        # 1. The lease first: nothing is read from disk or the stream until this is the only trainer of the job.
+        metrics.lease_held.set(0)
+        if not lease.acquire(stop):
+            return 0
+        # 2. Resume the newest good version, re-announce it if a crash left it unannounced, recover pending entries.
         trainer = Trainer(
             cfg,
             client,
@@ -70,6 +91,7 @@ def main() -> int:
             consumer=os.environ.get("ONLINERL_TRAINER_CONSUMER", DEFAULT_CONSUMER),
             claim_idle_ms=int(float(os.environ.get("ONLINERL_TRAINER_CLAIM_IDLE_SECONDS", "60")) * 1000),
             ranks=ranks,
+            lease=lease,
         )
         log.info(
             "trainer for job %s: engine %s, %s weights, starting at v%d",
@@ -79,25 +101,34 @@ def main() -> int:
             trainer.version,
         )
         trainer.start()
+        # 3. read batch -> advantages -> update -> maybe publish (announce, then acknowledge) until SIGTERM.
         trainer.run(stop)
-        trainer.close()
     except NonFiniteWeightsError as exc:
         log.error("%s", exc)
         return 3
+    except FencedOut as exc:
+        log.error("fenced out, exiting without publishing: %s", exc)
+        metrics.lease_held.set(0)
+        return 4
     finally:
+        if trainer is not None:
+            trainer.close()  # also gives the lease up: a waiting trainer takes over at once
+        else:
+            lease.release()
         server.stop()
         client.close()
     return 0
 
 
 def follow(cfg, model_path, ranks: Ranks) -> int:
-    """A follower rank: no Redis, no metrics port; it computes what the leader broadcasts and stops when told.
-    It ignores SIGTERM/SIGINT so the leader can finish its step and publish with every rank's help."""
+    """A follower rank: no Redis, no metrics port, no lease; it computes what the leader broadcasts and stops when
+    told. It ignores SIGTERM/SIGINT so the leader can finish its step and publish with every rank's help."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    trainer = Trainer(cfg, None, model_path, ranks=ranks)
+    store = CheckpointStore(Path(cfg.storage.checkpoint_dir) / cfg.job)
+    learner = Learner.for_follower(cfg.trainer, model_path, ranks, store)
     logging.getLogger("onlinerl.trainer").info("rank %d/%d following the leader", ranks.rank, ranks.world)
-    trainer.follow()
+    learner.follow()
     return 0
 
 

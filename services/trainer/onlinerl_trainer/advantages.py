@@ -17,19 +17,30 @@ Baseline = Literal["running", "batch", "none"]
 
 @dataclass
 class RunningBaseline:
-    """Exponential moving average of the reward per tenant (tenants differ in how often they accept)."""
+    """Exponential moving average of the reward per tenant (tenants differ in how often they accept).
+
+    A tenant seen for the first time starts at ``prior`` (the trainer passes the reward table's ``empty`` value: the
+    reward of saying nothing, the natural zero of "was this worth showing"). Starting at the batch's own mean instead
+    would make a first batch of rejects its own baseline: advantage 0, no gradient, while the policy keeps serving
+    them. ``prior=None`` keeps that old behaviour.
+    """
 
     momentum: float = 0.9
     means: dict[str, float] = field(default_factory=dict)
+    prior: float | None = 0.0
+
+    def _start(self, tenant: str, batch_means: dict[str, float]) -> float:
+        return batch_means[tenant] if self.prior is None else self.prior
 
     def values(self, tenants: Sequence[str], rewards: Sequence[float]) -> list[float]:
-        """Baseline per sample; a tenant seen for the first time starts at its mean reward in this batch."""
-        first_seen = _group_means(tenants, rewards)
-        return [self.means.get(t, first_seen[t]) for t in tenants]
+        """Baseline per sample: the tenant's mean before this batch (its prior when it was never seen)."""
+        batch = _group_means(tenants, rewards)
+        return [self.means[t] if t in self.means else self._start(t, batch) for t in tenants]
 
     def update(self, tenants: Sequence[str], rewards: Sequence[float]) -> None:
-        for tenant, mean in _group_means(tenants, rewards).items():
-            old = self.means.get(tenant, mean)
+        batch = _group_means(tenants, rewards)
+        for tenant, mean in batch.items():
+            old = self.means[tenant] if tenant in self.means else self._start(tenant, batch)
             self.means[tenant] = self.momentum * old + (1.0 - self.momentum) * mean
 
     def state_dict(self) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """Versioned checkpoints on the shared volume: ``{checkpointDir}/{job}/v{N}/`` (layout in docs/architecture.md).
 
-A version directory appears atomically: files go into ``.tmp-v{N}-<pid>/``, are fsynced, the manifest (with the
-sha256 of every file) is written last, the directory is renamed to ``v{N}``, and the parent is fsynced. Only then
-may anyone announce it. Readers ignore dot-directories, so a crash leaves at worst an ignorable temp directory.
+A version directory appears atomically: files go into ``.tmp-v{N}-<random>/`` (random, not the pid: two pods are both
+pid 1), are fsynced, the manifest (with the sha256 of every file) is written last, the directory is renamed to ``v{N}``,
+and the parent is fsynced. Only then may anyone announce it. Readers ignore dot-directories, so a crash leaves at worst
+an ignorable temp directory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,6 +24,11 @@ MANIFEST = "manifest.json"
 STATE_DIR = "trainer-state"
 STATE_META = "state.json"
 _VERSION_RE = re.compile(r"^v(\d+)$")
+
+
+def _unique() -> str:
+    """A temp-name suffix no other writer (another pod, also pid 1) can pick."""
+    return uuid.uuid4().hex
 
 
 def stream_id_key(sample_id: str) -> tuple[int, int]:
@@ -123,6 +130,16 @@ class CheckpointStore:
             return [f"{self.path(version) / MANIFEST} lists no files"]
         return file_problems(self.path(version), manifest.files)
 
+    def newest_good(self) -> tuple[int, dict[int, list[str]]]:
+        """The newest version whose files match its manifest, and the problems of every newer (refused) one."""
+        refused: dict[int, list[str]] = {}
+        for version in reversed(self.versions()):
+            problems = self.problems(version)
+            if not problems:
+                return version, refused
+            refused[version] = problems
+        return 0, refused
+
     # --- writing ------------------------------------------------------------------------------------------------
     def publish(
         self,
@@ -134,7 +151,7 @@ class CheckpointStore:
         final = self.path(version)
         if final.exists():
             raise FileExistsError(f"{final} already exists: versions are immutable")
-        tmp = self.root / f".tmp-v{version}-{os.getpid()}"
+        tmp = self.root / f".tmp-v{version}-{_unique()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
@@ -164,7 +181,7 @@ class CheckpointStore:
         versions = self.versions()
         doomed = [v for v in versions[:-keep] if v not in protected] if keep > 0 else []
         for v in doomed:
-            trash = self.root / f".del-v{v}-{os.getpid()}"
+            trash = self.root / f".del-v{v}-{_unique()}"
             os.rename(self.path(v), trash)  # readers never see a half-deleted v{N}
             shutil.rmtree(trash, ignore_errors=True)
         if doomed:
@@ -180,7 +197,7 @@ class CheckpointStore:
         """``trainer-state/v{N}/`` (optimizer, baselines, counters) for the version just published; older ones go."""
         self.state_root.mkdir(exist_ok=True)
         final = self.state_root / f"v{version}"
-        tmp = self.state_root / f".tmp-v{version}-{os.getpid()}"
+        tmp = self.state_root / f".tmp-v{version}-{_unique()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         write_state(tmp)
@@ -194,7 +211,8 @@ class CheckpointStore:
         fsync_path(self.state_root)
         for p in self.state_root.iterdir():
             m = _VERSION_RE.match(p.name)
-            if ((m and int(m.group(1)) != version) or p.name.startswith(".tmp-")) and p != final:
+            # older states only: a newer one belongs to a trainer that took the lease over from a stale writer
+            if ((m and int(m.group(1)) < version) or p.name.startswith(".tmp-")) and p != final:
                 shutil.rmtree(p, ignore_errors=True)
 
     def state_for(self, version: int) -> tuple[Path, dict] | None:

@@ -133,7 +133,12 @@ def truncated_is_weight(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, ca
 @dataclass
 class PPOLossOutput:
     loss: torch.Tensor  # scalar, carries the gradient
-    stats: dict[str, float]  # clip fraction, approx KL, ratio statistics... (masked token statistics of this call)
+    tensors: dict[str, torch.Tensor]  # clip fraction, approx KL, ratio statistics... as 0-d tensors (no device sync)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The statistics as floats: one device sync per read, so the update loop keeps ``tensors`` instead."""
+        return {k: float(v) for k, v in self.tensors.items()}
 
 
 def ppo_loss(
@@ -194,23 +199,24 @@ def ppo_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
         masked_ratio = torch.where(mask > 0, ratio, torch.zeros_like(ratio))
+        any_token = mask.sum() > 0
+        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        inf = torch.full_like(ratio, float("inf"))
         stats = {
-            "pg_loss": float(masked_aggregate(pg, mask, aggregation)),
-            "clip_fraction": float((clip_active * mask).sum() / n),
-            "dual_clip_fraction": float((dual_active * mask).sum() / n),
+            "pg_loss": masked_aggregate(pg, mask, aggregation),
+            "clip_fraction": (clip_active * mask).sum() / n,
+            "dual_clip_fraction": (dual_active * mask).sum() / n,
             # k3 estimate of KL(pi_old || pi_theta): non-negative, low variance (cf. Schulman's "Approximating KL").
-            "approx_kl": float((((ratio - 1.0) - log_ratio) * mask).sum() / n),
-            "ratio_mean": float((ratio * mask).sum() / n),
-            "ratio_max": float(masked_ratio.max()) if mask.sum() > 0 else 1.0,
-            "ratio_min": float(torch.where(mask > 0, ratio, torch.full_like(ratio, float("inf"))).min())
-            if mask.sum() > 0
-            else 1.0,
-            "tokens": float(mask.sum()),
+            "approx_kl": (((ratio - 1.0) - log_ratio) * mask).sum() / n,
+            "ratio_mean": (ratio * mask).sum() / n,
+            "ratio_max": torch.where(any_token, masked_ratio.max(), one),
+            "ratio_min": torch.where(any_token, torch.where(mask > 0, ratio, inf).min(), one),
+            "tokens": mask.sum(),
         }
         if kl is not None:
-            stats["kl"] = float((kl * mask).sum() / n)
+            stats["kl"] = (kl * mask).sum() / n
         if entropy is not None:
-            stats["entropy"] = float((entropy * mask).sum() / n)
+            stats["entropy"] = (entropy * mask).sum() / n
         if is_weight is not None:
-            stats["is_weight_mean"] = float((is_weight * mask).sum() / n)
-    return PPOLossOutput(loss=loss, stats=stats)
+            stats["is_weight_mean"] = (is_weight * mask).sum() / n
+    return PPOLossOutput(loss=loss, tensors={k: v.detach().float() for k, v in stats.items()})

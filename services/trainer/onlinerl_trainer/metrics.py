@@ -97,6 +97,11 @@ class TrainerMetrics:
         self.tokens_per_second = Gauge(
             "onlinerl_trainer_tokens_per_second", "last step's tokens / step time", registry=r
         )
+        self.lease_held = Gauge(
+            "onlinerl_trainer_lease_held",
+            "1 while this process holds the trainer lease (may publish), 0 while it waits for it",
+            registry=r,
+        )
         for reason in ("nonfinite_loss", "nonfinite_grad", "nonfinite_weights"):
             self.skipped.labels(reason)
         for action in ("dropped", "downweighted"):

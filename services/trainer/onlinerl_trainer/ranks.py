@@ -5,6 +5,7 @@ It broadcasts each piece of work as a command; the followers run the same collat
 micro-batches, so every rank does the same number of forward/backward passes and DeepSpeed's gradient all-reduce
 lines up. Commands:
 
+- ``("resume", version)``: first, once the leader holds the trainer lease: the version every rank resumes from;
 - ``("train", (samples, advantages))``: one PPO update on this batch;
 - ``("gather", None)``: collect the trainable weights (a collective under ZeRO-3);
 - ``("save_state", directory)``: write this rank's optimizer partition into the shared ``directory``;
@@ -36,6 +37,16 @@ class Ranks:
     def distributed(self) -> bool:
         return self.world > 1
 
+    def connect(self) -> None:
+        """Join the process group early (DeepSpeed's own init, so its ``initialize`` reuses the group): the leader
+        tells the followers which version to resume before anyone builds a model (``("resume", version)``)."""
+        if self.distributed:
+            import deepspeed
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                deepspeed.init_distributed()
+
     def broadcast(self, command: Command | None) -> Command:
         """The leader's ``command`` on every rank (followers pass None and block until it arrives)."""
         if not self.distributed:
@@ -53,16 +64,15 @@ class Ranks:
 
             dist.barrier()
 
-    def sum_floats(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks (statistics of each rank's shard add up to the batch's)."""
+    def sum_tensor(self, values):
+        """Element-wise sum over ranks of a 1-d tensor (one all-reduce for all of a step's statistics)."""
         if not self.distributed:
             return values
-        import torch
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.tolist()
+        out = values.clone()
+        dist.all_reduce(out)
+        return out
 
 
 def ranks_from_env(env: os._Environ | dict[str, str] = os.environ) -> Ranks:

@@ -1,9 +1,10 @@
 """The samples stream, consumed by group ``trainers``: read, recover after a crash, acknowledge after a checkpoint.
 
-Acknowledging is XACK + XDEL in one transaction, so ``XLEN samples`` (the feedback service's backlog) shrinks only
-when a sample is trained into a durable checkpoint (or deliberately discarded: invalid, stale-dropped, guard-skipped).
-The consumer name is stable per job (not per process), so a restarted trainer finds its own pending entries at once;
-entries of any other consumer are taken over by XAUTOCLAIM once idle longer than ``claim_idle_ms``.
+Acknowledging is XACK + XDEL in one fenced Lua script (fence.py: refused unless this trainer holds the lease), so ``XLEN
+samples`` (the feedback service's backlog) shrinks only when a sample is trained into a durable checkpoint (or
+deliberately discarded: invalid, stale-dropped, guard-skipped). The consumer name is stable per job (not per process),
+so a restarted trainer finds its own pending entries at once; entries of any other consumer are taken over by XAUTOCLAIM
+once idle longer than ``claim_idle_ms``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from onlinerl.keys import SAMPLES_GROUP, Keys
+from onlinerl_trainer.fence import Lease
 
 DEFAULT_CONSUMER = "trainer-0"
 
@@ -36,9 +38,15 @@ def _decode_entries(raw: Iterable) -> list[Entry]:
 
 class SampleStream:
     def __init__(
-        self, client: redis.Redis, keys: Keys, consumer: str = DEFAULT_CONSUMER, claim_idle_ms: int = 60_000
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        lease: Lease,
+        consumer: str = DEFAULT_CONSUMER,
+        claim_idle_ms: int = 60_000,
     ) -> None:
         self.client = client
+        self.lease = lease
         self.keys = keys
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
@@ -92,16 +100,9 @@ class SampleStream:
         return _decode_entries(reply[0][1]) if reply else []
 
     def ack(self, sample_ids: Iterable[str]) -> int:
+        """XACK + XDEL, refused (``FencedOut``) unless we still hold the trainer lease."""
         ids = list(sample_ids)
-        if not ids:
-            return 0
-        pipe = self.client.pipeline(transaction=True)
-        for i in range(0, len(ids), 1000):
-            chunk = ids[i : i + 1000]
-            pipe.xack(self.keys.samples, SAMPLES_GROUP, *chunk)
-            pipe.xdel(self.keys.samples, *chunk)
-        pipe.execute()
-        return len(ids)
+        return self.lease.ack(ids) if ids else 0
 
     def pending_count(self) -> int:
         info = self.client.xpending(self.keys.samples, SAMPLES_GROUP)

@@ -6,7 +6,6 @@ by the *batch's* token (or sequence) count, and gradients accumulate until the l
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +41,7 @@ ENTROPY_SAMPLE_TOKENS = 64  # tokens per micro-batch for the entropy gauge when 
 class TokenLogprobs:
     logp: torch.Tensor  # [B, T-1] log pi(target), zeros left of the completion span
     entropy: torch.Tensor | None = None  # [B, T-1], only when the loss needs it (with its graph)
-    entropy_estimate: float | None = None  # mean entropy over a sample of completion tokens (monitoring)
+    entropy_estimate: torch.Tensor | None = None  # 0-d: mean entropy over sampled completion tokens (monitoring)
 
 
 def completion_logprobs(
@@ -71,7 +70,7 @@ def completion_logprobs(
     if with_entropy and entropy_grad:
         logp, ent = token_logprobs_and_entropy(logits, targets)  # [B, span] each
         mask = mb.completion_mask[:, -span:].to(ent.device)
-        estimate = float((ent.detach() * mask).sum() / mask.sum().clamp(min=1))
+        estimate = (ent.detach() * mask).sum() / mask.sum().clamp(min=1)
         return TokenLogprobs(F.pad(logp, (left, 0)), F.pad(ent, (left, 0)), estimate)
     out = TokenLogprobs(F.pad(token_logprobs(logits, targets), (left, 0)))  # [B, T-1]
     if with_entropy:
@@ -79,7 +78,8 @@ def completion_logprobs(
             rows, cols = (mb.completion_mask[:, -span:] > 0).nonzero(as_tuple=True)  # [N] each
             pick = torch.linspace(0, len(rows) - 1, min(len(rows), ENTROPY_SAMPLE_TOKENS)).round().long()
             sampled = logits.detach()[rows[pick].to(logits.device), cols[pick].to(logits.device)]  # [k, V]
-            out.entropy_estimate = float(token_logprobs_and_entropy(sampled, None)[1].mean()) if len(rows) else 0.0
+            est = token_logprobs_and_entropy(sampled, None)[1].float().mean() if len(rows) else None
+            out.entropy_estimate = est
     return out
 
 
@@ -150,14 +150,15 @@ def ppo_update(
     normalizer = max(mask_total, 1.0) if algo.aggregation == "token-mean" else max(seqs_total, 1.0)
 
     # --- gradient steps -----------------------------------------------------------------------------------------
-    totals: dict[str, float] = {}
-    weight_sum = 0.0
-    ratio_max = 0.0
+    # Statistics stay 0-d tensors on the device and are read once, at the end of the step (nanoGPT / TRL style): a
+    # float() per micro-batch would wait for the device every time.
+    zero = torch.zeros((), dtype=torch.float64, device=engine.device)
+    totals: dict[str, torch.Tensor] = {}
+    weight_sum, ratio_max = zero.clone(), zero.clone()
     grad_norm = 0.0
-    epoch_losses: list[float] = []
-    poisoned = False
+    epoch_losses: list[torch.Tensor] = []
     for _epoch in range(algo.ppo_epochs):
-        loss_sum = 0.0
+        loss_sum, nonfinite = zero.clone(), torch.zeros((), dtype=torch.bool, device=engine.device)
         for i, mb in enumerate(micro):
             is_boundary = i == len(micro) - 1
             lp = completion_logprobs(engine, mb, with_entropy=True, entropy_grad=algo.entropy_coef > 0)
@@ -177,41 +178,60 @@ def ppo_update(
                 entropy=lp.entropy,
                 entropy_coef=algo.entropy_coef,
             )
-            loss = out.loss * (live[i] * ranks.world)
-            if not math.isfinite(out.loss.item()):
-                # Poison the accumulated gradient so the backend's own non-finite check drops the whole step on every
-                # rank (DeepSpeed ZeRO keeps partial gradients in its own buffers; this clears them the same way).
-                # The remaining passes still run, so the ranks' all-reduces stay in step.
-                poisoned = True
-                loss = out.loss * float("nan")
-            engine.backward(loss, is_boundary=is_boundary)
-            if poisoned:
-                continue
-            loss_sum += out.loss.item() * live[i]
-            n = out.stats["tokens"] * live[i]
-            weight_sum += n
+            # A non-finite loss poisons the accumulated gradient (x NaN) so the backend's own non-finite check drops
+            # the whole step on every rank (DeepSpeed ZeRO keeps partial gradients in its own buffers; this clears
+            # them the same way). A finite loss is multiplied by exactly 1. The remaining passes still run, so the
+            # ranks' all-reduces stay in step; the check happens once, after the epoch.
+            finite = torch.isfinite(out.loss.detach())
+            nonfinite |= ~finite
+            poison = torch.where(finite, 1.0, float("nan")).to(out.loss.dtype)
+            engine.backward(out.loss * (live[i] * ranks.world) * poison, is_boundary=is_boundary)
+            t = out.tensors
+            loss_sum = loss_sum + out.loss.detach().float() * live[i]
+            n = t["tokens"] * live[i]
+            weight_sum = weight_sum + n
             if live[i]:
-                ratio_max = max(ratio_max, out.stats["ratio_max"])
-            out.stats["entropy"] = lp.entropy_estimate or 0.0
-            for key, value in out.stats.items():
+                ratio_max = torch.maximum(ratio_max, t["ratio_max"])
+            t["entropy"] = lp.entropy_estimate if lp.entropy_estimate is not None else zero
+            for key, value in t.items():
                 if key not in ("tokens", "ratio_max", "ratio_min"):
-                    totals[key] = totals.get(key, 0.0) + value * n
+                    totals[key] = totals.get(key, zero) + value * n
         result = engine.step()
         grad_norm = result.grad_norm
         epoch_losses.append(loss_sum)  # micro-batch losses add up to the batch loss (shared normalizer)
+        poisoned = bool(nonfinite)  # the step's device sync (engine.step() has read the grad norm already)
         if poisoned or result.skipped:
             reason = "nonfinite_loss" if poisoned else "nonfinite_grad"
-            stats = _finish(totals, weight_sum, ratio_max)
+            summed, weight, top, _ = _read(totals, weight_sum, ratio_max, [], ranks=None)
+            stats = _finish(summed, weight, top)
             return UpdateResult(stats=stats, grad_norm=grad_norm, skipped_reason=reason)
-    if ranks.distributed:  # each rank saw its shard: sums over ranks are the batch's sums
-        keys = sorted(totals)
-        summed = ranks.sum_floats([totals[k] for k in keys] + [weight_sum, *epoch_losses])
-        totals = dict(zip(keys, summed[: len(keys)], strict=True))
-        weight_sum, epoch_losses = summed[len(keys)], summed[len(keys) + 1 :]
-    stats = _finish(totals, weight_sum, ratio_max)
-    stats["loss"] = sum(epoch_losses) / len(epoch_losses)
+    summed, weight, top, losses = _read(
+        totals, weight_sum, ratio_max, epoch_losses, ranks if ranks.distributed else None
+    )
+    stats = _finish(summed, weight, top)
+    stats["loss"] = sum(losses) / len(losses)
     stats["tokens"] = mask_total
     return UpdateResult(stats=stats, grad_norm=grad_norm)
+
+
+def _read(
+    totals: dict[str, torch.Tensor],
+    weight_sum: torch.Tensor,
+    ratio_max: torch.Tensor,
+    epoch_losses: list[torch.Tensor],
+    ranks: Ranks | None,
+) -> tuple[dict[str, float], float, float, list[float]]:
+    """The step's one device read: every accumulated statistic in one tensor. Data parallel: the sums are summed
+    over ranks (each rank saw its shard, so they add up to the batch's); ``ratio_max`` stays this rank's."""
+    keys = sorted(totals)
+    packed = torch.stack(
+        [totals[k].double() for k in keys] + [weight_sum.double()] + [x.double() for x in epoch_losses]
+    )
+    if ranks is not None:
+        packed = ranks.sum_tensor(packed)
+    values = torch.cat([packed, ratio_max.double().reshape(1)]).tolist()
+    n = len(keys)
+    return dict(zip(keys, values[:n], strict=True)), values[n], values[-1], values[n + 1 : -1]
 
 
 def _finish(totals: dict[str, float], weight_sum: float, ratio_max: float) -> dict[str, float]:

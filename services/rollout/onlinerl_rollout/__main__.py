@@ -1,4 +1,4 @@
-"""``python -m onlinerl.rollout``: the rollout controller as a process, with ``/metrics`` and ``/healthz``.
+"""``python -m onlinerl_rollout``: the rollout controller as a process, with ``/metrics`` and ``/healthz``.
 
 The eval gate needs an evaluator: ``--evaluator module:function`` (or ``$ONLINERL_ROLLOUT_EVALUATOR``), a callable
 ``EvalRequest -> GateInput``. Without one, start-up fails unless ``rollout.gate.enabled`` is false.
@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from onlinerl.config import ConfigError, load_config
 from onlinerl.httpserve import MetricsHTTPServer
 from onlinerl.redisconn import connect as redis_connect
-from onlinerl.rollout.controller import Evaluator, RolloutController
+from onlinerl_rollout.controller import Evaluator, RolloutController
 
 DEFAULT_PORT = 8005
 
@@ -46,7 +46,7 @@ def serve_http(controller: RolloutController, port: int, interval: float) -> Met
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m onlinerl.rollout", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m onlinerl_rollout", description=__doc__)
     ap.add_argument("--config", "-c", default=None)
     ap.add_argument("--evaluator", default=os.environ.get("ONLINERL_ROLLOUT_EVALUATOR", ""))
     ap.add_argument("--port", type=int, default=int(os.environ.get("ONLINERL_ROLLOUT_PORT", DEFAULT_PORT)))
@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         r = redis_connect(cfg.redis)
         controller = RolloutController(r, cfg.job, cfg.rollout, evaluator)
     except (ConfigError, ValueError, ImportError, AttributeError) as exc:
-        print(f"onlinerl.rollout: error: {exc}", file=sys.stderr)
+        print(f"onlinerl_rollout: error: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = serve_http(controller, args.port, args.interval)
-    logging.getLogger("onlinerl.rollout").info(
+    logging.getLogger("onlinerl_rollout").info(
         "rollout controller for job %s (strategy %s) on :%d", cfg.job, cfg.rollout.strategy, args.port
     )
     try:

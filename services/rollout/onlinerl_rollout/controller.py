@@ -29,14 +29,14 @@ import redis
 from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.config import RolloutConfig
 from onlinerl.keys import Keys
-from onlinerl.rollout.decision import ArmStats, DecisionRules, Verdict, decide
-from onlinerl.rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
-from onlinerl.rollout.metrics import RolloutMetrics
-from onlinerl.rollout.records import DecisionRecord, RolloutState
+from onlinerl.rollout.records import ArmStats, DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
+from onlinerl_rollout.decision import DecisionRules, Verdict, decide
+from onlinerl_rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
+from onlinerl_rollout.metrics import RolloutMetrics
 
-log = logging.getLogger("onlinerl.rollout")
+log = logging.getLogger("onlinerl_rollout")
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ class RolloutController:
 
 
 def _passed_without_eval() -> GateResult:
-    from onlinerl.rollout.gate import EvalFigures
+    from onlinerl_rollout.gate import EvalFigures
 
     empty = EvalFigures(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
     return GateResult(True, ("gate disabled (rollout.gate.enabled: false)",), empty, empty)

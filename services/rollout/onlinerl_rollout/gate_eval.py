@@ -1,6 +1,6 @@
 """The eval gate's evaluator: ``onlinerl eval``'s path (gateway, pinned version, Continue's request) as a callable.
 
-Plugged into the rollout controller with ``--evaluator onlinerl.loop.gate_eval:evaluate``. It reads the job config
+Plugged into the rollout controller with ``--evaluator onlinerl_rollout.gate_eval:evaluate``. It reads the job config
 (``$ONLINERL_CONFIG``), the held-out split (``$ONLINERL_EVAL_DATA``), the gateway (``$ONLINERL_GATEWAY_URL``,
 default the local one) and uses the first eval (or admin) key of the keys file.
 """
@@ -16,10 +16,10 @@ from onlinerl.config import load_config
 from onlinerl.data.builder import read_jsonl
 from onlinerl.loop.continue_client import ContinueClient
 from onlinerl.loop.evaluate import run_version
-from onlinerl.loop.local import template_for
+from onlinerl.loop.template import template_for
 from onlinerl.loop.user_model import decide
-from onlinerl.rollout.controller import EvalRequest
-from onlinerl.rollout.gate import GateInput
+from onlinerl_rollout.controller import EvalRequest
+from onlinerl_rollout.gate import GateInput
 
 DEFAULT_EVAL_DATA = ".onlinerl/data/test.jsonl"
 

@@ -1,0 +1,212 @@
+"""The sample feed (leader only): read batches from the stream, admit them, and turn rewards into advantages.
+
+Admission = skip what was already trained (the ids of every kept manifest on the resumed lineage, plus the open
+version's), decode, validate (validation.py), apply the staleness rule. What can never be trained is acknowledged at
+once (fenced, stream.py); what was trained is acknowledged only with the version that holds it (publisher.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from onlinerl.config import TrainerConfig
+from onlinerl.schemas import TrainingSample
+from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
+from onlinerl_trainer.batching import StreamSample, staleness_action
+from onlinerl_trainer.metrics import TrainerMetrics
+from onlinerl_trainer.stream import Entry, SampleStream
+from onlinerl_trainer.validation import sample_problem
+
+log = logging.getLogger("onlinerl.trainer")
+
+
+@dataclass
+class Recovery:
+    claimed: int = 0  # entries taken over from other (dead) consumers
+    already_trained: int = 0  # pending entries found in a manifest: acknowledged, not retrained
+    replayed: int = 0  # pending entries that will be trained again
+
+
+@dataclass
+class Admitted:
+    samples: list[StreamSample]
+    advantages: list[float]
+
+
+class SampleFeed:
+    def __init__(
+        self,
+        stream: SampleStream,
+        tcfg: TrainerConfig,
+        metrics: TrainerMetrics,
+        vocab_size: int,
+        trained_by_version: dict[int, list[str]],
+    ) -> None:
+        self.stream = stream
+        self.tcfg = tcfg
+        self.algo = tcfg.algorithm
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+        self.baseline = RunningBaseline(self.algo.baseline_momentum)
+        self.replay: deque[Entry] = deque()
+        self.trained_by_version = trained_by_version  # kept versions -> their sample ids (in the resumed weights)
+        self.trained_ids: set[str] = {sid for ids in trained_by_version.values() for sid in ids}
+        self.open_ids: list[str] = []  # trained since the last published version (acknowledged with the next one)
+
+    # --- start and Redis hiccups --------------------------------------------------------------------------------
+    def recover(self) -> Recovery:
+        """Claim dead consumers' entries; acknowledge our pending ones already in a kept version, replay the rest."""
+        self.stream.ensure_group()
+        owned = {e.sample_id for e in self.stream.own_pending()}
+        rec = Recovery(claimed=len(self.stream.claim_abandoned() - owned))
+        pending = self.stream.own_pending()
+        done = [e.sample_id for e in pending if e.sample_id in self.trained_ids]
+        self.stream.ack(done)
+        self.metrics.dropped.labels("already_trained").inc(len(done))
+        rest = [e for e in pending if e.sample_id not in self.trained_ids]
+        self.replay.extend(rest)
+        rec.already_trained, rec.replayed = len(done), len(rest)
+        log.info(
+            "recovery: claimed %d, acknowledged %d already trained, replaying %d",
+            rec.claimed,
+            rec.already_trained,
+            rec.replayed,
+        )
+        return rec
+
+    def requeue_own_pending(self, held: set[str]) -> None:
+        """Entries delivered to us but neither trained, queued nor acknowledged go back to the replay queue."""
+        held = held | set(self.open_ids) | {e.sample_id for e in self.replay}
+        lost = [e for e in self.stream.own_pending() if e.sample_id not in held]
+        self.replay.extend(lost)
+        if lost:
+            log.info("requeued %d delivered but untrained entries after a Redis error", len(lost))
+
+    # --- reading ------------------------------------------------------------------------------------------------
+    def collect(self, stop: threading.Event | None = None, poll_ms: int = 500, close_early=None) -> list[Entry]:
+        """Up to ``batchSize`` entries: recovered ones first, then new ones; a partial batch closes after
+        ``batchTimeoutSeconds`` from its first entry. Returns early (maybe empty) when ``close_early()`` says so
+        while nothing is waiting, so the loop can publish on time."""
+        size = self.tcfg.batch_size
+        batch: list[Entry] = []
+        deadline: float | None = None
+        while len(batch) < size and not (stop is not None and stop.is_set()):
+            if self.replay:
+                while self.replay and len(batch) < size:
+                    batch.append(self.replay.popleft())
+                deadline = deadline or time.monotonic() + self.tcfg.batch_timeout_seconds
+                continue
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            wait_ms = poll_ms if deadline is None else min(poll_ms, int((deadline - now) * 1000) + 1)
+            new = self.stream.read_new(size - len(batch), wait_ms)
+            if new and deadline is None:
+                deadline = time.monotonic() + self.tcfg.batch_timeout_seconds
+            batch.extend(new)
+            if not batch and close_early is not None and close_early():
+                break
+        return batch
+
+    # --- admission ----------------------------------------------------------------------------------------------
+    def admit(self, entries: list[Entry], version: int) -> Admitted:
+        """Trainable samples with their advantages; everything else is acknowledged here (or, when it was trained
+        since the last publish, left for the version that holds it)."""
+        samples, discard = self._admissible(entries, version)
+        self.stream.ack(discard)
+        if not samples:
+            return Admitted([], [])
+        adv = compute_advantages(
+            [s.sample.reward for s in samples],
+            [s.sample.tenant for s in samples],
+            baseline=self.algo.baseline,
+            running=self.baseline,
+            normalize=self.algo.normalize_advantages,
+        )
+        samples, adv, inert = self._without_inert(samples, adv)
+        self.stream.ack(inert)
+        return Admitted(samples, adv)
+
+    def _admissible(self, entries: list[Entry], version: int) -> tuple[list[StreamSample], list[str]]:
+        """Skip what was already trained, decode, validate, apply the staleness rule. Returns (trainable samples, ids
+        to acknowledge without training). An id trained since the last publish (or twice in this batch) is skipped but
+        not acknowledged: its acknowledgement comes with the version that holds it."""
+        keep: list[StreamSample] = []
+        discard: list[str] = []
+        open_version = set(self.open_ids)
+        again: list[str] = []
+        for e in entries:
+            if e.sample_id in self.trained_ids or e.sample_id in open_version:
+                again.append(e.sample_id)
+                if e.sample_id in self.trained_ids:
+                    discard.append(e.sample_id)
+                continue
+            open_version.add(e.sample_id)
+            try:
+                sample = TrainingSample.from_json(e.fields[b"data"])
+            except Exception as exc:
+                log.error("discarding undecodable stream entry %s: %s", e.sample_id, exc)
+                self.metrics.invalid.labels("undecodable").inc()
+                discard.append(e.sample_id)
+                continue
+            problem = sample_problem(sample, self.vocab_size, self.tcfg.max_seq_len)
+            if problem is not None:
+                counter = self.metrics.invalid if problem.kind == "invalid" else self.metrics.dropped
+                counter.labels(problem.reason).inc()
+                log.error("not training stream entry %s (%s): %s", e.sample_id, problem.reason, problem.detail)
+                discard.append(e.sample_id)
+                continue
+            staleness = max(0, version - sample.policy_version)
+            self.metrics.staleness.observe(staleness)
+            stale = self.algo.staleness
+            action = staleness_action(sample.policy_version, version, stale.max_versions, stale.mode)
+            if action == "drop":
+                self.metrics.stale.labels("dropped").inc()
+                discard.append(e.sample_id)
+                continue
+            cap = None
+            if action == "downweight":
+                self.metrics.stale.labels("downweighted").inc()
+                cap = stale.truncate_weight
+            keep.append(StreamSample(e.sample_id, sample, staleness, cap))
+        if again:
+            self.metrics.dropped.labels("already_trained").inc(len(again))
+            log.warning(
+                "%d entries delivered again are already trained, not training them twice: %s", len(again), again[:5]
+            )
+        return keep, discard
+
+    def _without_inert(
+        self, samples: list[StreamSample], adv: list[float]
+    ) -> tuple[list[StreamSample], list[float], list[str]]:
+        """Drop samples whose gradient is exactly zero: advantage 0 with no KL or entropy term (with the ``rlinf``
+        reward and no baseline, every reject). They are acknowledged without a forward pass, which on CPU is most of
+        the trainer's time; the gradient is unchanged up to the token-mean scale, which Adam absorbs."""
+        if self.algo.kl_coef > 0 or self.algo.entropy_coef > 0:
+            return samples, adv, []
+        keep = [i for i, a in enumerate(adv) if a != 0.0]
+        if len(keep) == len(samples):
+            return samples, adv, []
+        inert = [s.sample_id for s, a in zip(samples, adv, strict=True) if a == 0.0]
+        self.metrics.inert.inc(len(inert))
+        return [samples[i] for i in keep], [adv[i] for i in keep], inert
+
+    # --- bookkeeping after training and publishing --------------------------------------------------------------
+    def trained(self, ids: list[str]) -> None:
+        self.open_ids.extend(ids)
+
+    def sealed(self, version: int) -> list[str]:
+        """The open version became ``version``: its ids are now trained into a kept manifest."""
+        ids, self.open_ids = self.open_ids, []
+        self.trained_by_version[version] = ids
+        self.trained_ids.update(ids)
+        return ids
+
+    def forget(self, pruned: list[int]) -> None:
+        """The set holds the ids of kept manifests, as a restart would rebuild it."""
+        for v in pruned:
+            self.trained_ids.difference_update(self.trained_by_version.pop(v, ()))

@@ -1,0 +1,136 @@
+"""The part every rank runs: the model, the optimizer (engine), the reference model, and the PPO update.
+
+No Redis here. With several ranks the leader calls the same methods as a single process; each one first broadcasts
+its command so the followers join the collective (``follow`` is a follower's whole life; see ranks.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from onlinerl.config import TrainerConfig
+from onlinerl_trainer.batching import Batch, StreamSample, collate
+from onlinerl_trainer.checkpoint import CheckpointStore
+from onlinerl_trainer.engine import build_engine
+from onlinerl_trainer.policy import load_policy, load_reference, load_weights_from_checkpoint
+from onlinerl_trainer.ranks import Ranks
+from onlinerl_trainer.update import UpdateResult, ppo_update
+
+log = logging.getLogger("onlinerl.trainer")
+
+
+def vocab_size(model_path: Path) -> int:
+    """Rows of the input embedding: a token id outside [0, vocab) cannot be trained (index error, or worse on GPU)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def pad_id(model_path: Path) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+class Learner:
+    """Model + optimizer of one rank, resumed from ``weights_from`` (a checkpoint folder) when given."""
+
+    def __init__(self, tcfg: TrainerConfig, model_path: Path, ranks: Ranks, weights_from: Path | None = None) -> None:
+        self.tcfg = tcfg
+        self.algo = tcfg.algorithm
+        self.ranks = ranks
+        self.model_path = Path(model_path)
+        self.pad_id = pad_id(self.model_path)
+        self.vocab_size = vocab_size(self.model_path)
+        module = load_policy(self.model_path, tcfg)
+        self.reference = load_reference(self.model_path, tcfg)
+        if weights_from is not None:
+            load_weights_from_checkpoint(module, weights_from)
+        self.engine = build_engine(module, tcfg)
+        if self.reference is not None:
+            self.reference.to(self.engine.device)
+        self.last_command = time.monotonic()
+
+    def resume(self, state_dir: Path, meta: dict) -> None:
+        """Optimizer state (this rank's partition) and the RNG of the version resumed from, on every rank."""
+        self.engine.load_state(state_dir)
+        if "rng" in meta:
+            random.seed(meta["rng"])
+            torch.manual_seed(meta["rng"])
+
+    # --- what the leader asks of every rank ---------------------------------------------------------------------
+    def _command(self, name: str, payload: object = None) -> None:
+        if self.ranks.distributed and self.ranks.leader:
+            self.ranks.broadcast((name, payload))
+            self.last_command = time.monotonic()
+
+    def send_update(self, samples: list[StreamSample], advantages: list[float]) -> None:
+        """Leader: give the followers this step's samples and advantages (they collate the same batch)."""
+        self._command("train", (samples, advantages))
+
+    def update_batch(self, batch: Batch, advantages: torch.Tensor) -> UpdateResult:
+        return ppo_update(
+            self.engine, batch, advantages, self.algo, self.tcfg.micro_batch_size, self.reference, self.ranks
+        )
+
+    def trainable_weights(self) -> dict[str, torch.Tensor]:
+        self._command("gather")  # a collective under ZeRO-3
+        return self.engine.trainable_state_dict()
+
+    def save_state(self, directory: Path) -> None:
+        self._command("save_state", str(directory))
+        self.engine.save_state(directory)
+        self.ranks.barrier()  # every rank's optimizer partition is on disk before the directory is renamed
+
+    def keep_followers_alive(self, every_s: float = 60.0) -> None:
+        """Followers wait inside a collective with a timeout: an idle leader pings them."""
+        if self.ranks.distributed and time.monotonic() - self.last_command >= every_s:
+            self._command("idle")
+
+    def stop_followers(self) -> None:
+        self._command("stop")
+
+    # --- a follower's whole life --------------------------------------------------------------------------------
+    @classmethod
+    def for_follower(cls, tcfg: TrainerConfig, model_path: Path, ranks: Ranks, store: CheckpointStore) -> Learner:
+        """A follower resumes exactly the version the leader picked once it held the lease (a file it sees later
+        may come from a stale trainer still draining)."""
+        ranks.connect()
+        name, latest = ranks.broadcast(None)
+        assert name == "resume", f"expected the leader's resume command first, got {name!r}"
+        learner = cls(tcfg, model_path, ranks, store.path(latest) if latest else None)
+        state = store.state_for(latest) if latest else None
+        if state is not None:
+            learner.resume(*state)
+        return learner
+
+    def follow(self) -> None:
+        """Do what the leader broadcasts until it says stop."""
+        assert not self.ranks.leader
+        while True:
+            name, payload = self.ranks.broadcast(None)
+            if name == "train":
+                samples, adv = payload
+                batch = collate(samples, self.tcfg.max_seq_len, self.pad_id)
+                self.update_batch(batch, torch.tensor(adv, dtype=torch.float32))
+            elif name == "gather":
+                self.engine.trainable_state_dict()
+            elif name == "save_state":
+                self.engine.save_state(Path(payload))
+                self.ranks.barrier()
+            elif name == "stop":
+                return

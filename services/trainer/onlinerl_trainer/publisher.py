@@ -1,0 +1,205 @@
+"""The publisher (leader only): write v{N+1} durably, announce it, then acknowledge its samples; prune old versions.
+
+Order is the delivery invariant (docs/architecture.md): files + manifest + resume state on disk first, then the
+announcement, then the acknowledgement. The announcement and the acknowledgement go through the fenced scripts of
+fence.py, so a trainer that lost its lease can write a folder but never announce it or drop a sample; a refused
+announcement removes the folder it wrote (it is on no lineage), and the caller exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+import torch
+
+from onlinerl.config import OnlineRLConfig
+from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyTable, PolicyVersionState
+from onlinerl_trainer.checkpoint import CheckpointStore, render_manifest
+from onlinerl_trainer.fence import FencedOut, Lease
+from onlinerl_trainer.metrics import TrainerMetrics
+from onlinerl_trainer.policy import save_weights
+from onlinerl_trainer.stream import SampleStream
+
+log = logging.getLogger("onlinerl.trainer")
+
+
+class Publisher:
+    def __init__(
+        self,
+        cfg: OnlineRLConfig,
+        client: redis.Redis,
+        lease: Lease,
+        stream: SampleStream,
+        metrics: TrainerMetrics,
+        model_path: Path,
+    ) -> None:
+        self.cfg = cfg
+        self.tcfg = cfg.trainer
+        self.keys = Keys(cfg.job)
+        self.client = client
+        self.lease = lease
+        self.stream = stream
+        self.metrics = metrics
+        self.model_path = Path(model_path)
+        self.store = CheckpointStore(Path(cfg.storage.checkpoint_dir) / cfg.job)
+        self.corrupt_versions: list[int] = []  # refused at resume, newest first
+        self.unannounced: tuple[int, list[str]] | None = None  # on disk, XADD/ack still to do
+        self.last_publish = time.monotonic()
+        self._written: int = 0  # the last version this process wrote (removed again if its announcement is refused)
+
+    # --- start-up -----------------------------------------------------------------------------------------------
+    def newest_good_version(self) -> int:
+        """The newest version whose files match its manifest. Every newer one is refused, loudly: a tampered or
+        half-copied checkpoint is never loaded (followers check the same files, so every rank picks the same one)."""
+        latest, refused = self.store.newest_good()
+        for version, problems in refused.items():
+            self.corrupt_versions.append(version)
+            self.metrics.corrupt_checkpoints.inc()
+            log.error(
+                "refusing corrupt checkpoint v%d (%s): falling back to an older version", version, "; ".join(problems)
+            )
+        return latest
+
+    def kept_sample_ids(self, latest: int) -> dict[int, list[str]]:
+        """Sample ids of the kept versions on ``latest``'s lineage (``latest``, its parent, ...): exactly what the
+        weights we resume from were trained on. A kept folder off that lineage (a refused version, or one a stale
+        trainer wrote but could not announce) does not count: its samples are trained again, never dropped."""
+        out: dict[int, list[str]] = {}
+        kept = set(self.store.versions())
+        version = latest
+        while version and version in kept and version not in out:
+            try:
+                manifest = self.store.manifest(version)
+            except Exception as exc:
+                log.error("v%d's manifest is unreadable (%s): older sample ids are not known as trained", version, exc)
+                break
+            out[version] = list(manifest.sample_ids)
+            version = manifest.parent_version
+        oldest = min(out, default=latest)  # below the chain's end: pruned gaps, not forks
+        off = sorted(v for v in kept if oldest < v <= latest and v not in out)
+        if off:
+            log.warning("kept versions %s are not on v%d's lineage: their samples do not count as trained", off, latest)
+        return out
+
+    def reannounce(self, version: int) -> None:
+        """A crash between writing and announcing left ``version`` unannounced: announce it now."""
+        self.store.clean_temp()
+        if version and self.last_announced() < version:
+            self.announce(version)
+
+    # --- the durable half ---------------------------------------------------------------------------------------
+    def write(
+        self,
+        *,
+        parent: int,
+        step: int,
+        ids: list[str],
+        stats: dict[str, float],
+        weights: dict[str, torch.Tensor],
+        module: torch.nn.Module,
+        save_state: Callable[[Path], None],
+        meta: dict,
+    ) -> int:
+        """v{N+1} (weights + manifest) and its resume state on disk. Nothing is announced or acknowledged yet."""
+        self.lease.check()  # a trainer that already lost the lease writes nothing
+        version = max(parent, self.store.latest(), *self.corrupt_versions) + 1  # a refused number stays used
+
+        def manifest_for(files: dict[str, str]):
+            return render_manifest(
+                job=self.cfg.job,
+                version=version,
+                parent_version=parent,
+                kind=self.tcfg.weights,
+                base_model=str(self.model_path),
+                step=step,
+                sample_ids=ids,
+                metrics=stats,
+                files=files,
+            )
+
+        self.store.publish(version, lambda tmp: save_weights(module, weights, tmp), manifest_for)
+        self._written = version
+        self.store.save_state(version, save_state, meta)
+        self.last_publish = time.monotonic()
+        self.unannounced = (version, ids)
+        return version
+
+    # --- the announced half -------------------------------------------------------------------------------------
+    def finish(self) -> tuple[int, list[str], list[int]]:
+        """Announce the written version, acknowledge its samples, prune. Returns (version, ids, pruned versions)."""
+        assert self.unannounced is not None
+        version, ids = self.unannounced
+        if self.last_announced() < version:
+            try:
+                self.announce(version)
+            except FencedOut:
+                self._remove_refused(version)
+                raise
+        self.stream.ack(ids)
+        self.unannounced = None
+        self.metrics.version.set(version)
+        self.metrics.last_checkpoint.set(time.time())
+        pruned = self.store.prune(self.tcfg.checkpoint.keep, self.protected_versions())
+        if pruned:
+            log.info("pruned versions %s", pruned)
+        self.client.hset(self.keys.trainer_status, mapping={"last_checkpoint_at": repr(time.time())})
+        log.info("published v%d (%d samples)", version, len(ids))
+        return version, ids, pruned
+
+    def _remove_refused(self, version: int) -> None:
+        """Our announcement was refused: the folder we wrote is on no lineage; the next trainer must not resume it."""
+        if self._written != version or not self.store.path(version).exists():
+            return
+        trash = self.store.root / f".del-v{version}-{uuid.uuid4().hex}"
+        os.rename(self.store.path(version), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        log.error("v%d was refused (fenced out): removed its folder, publishing nothing", version)
+
+    def announce(self, version: int) -> None:
+        self.lease.announce(
+            {
+                "version": str(version),
+                "path": str(self.store.path(version).resolve()),
+                "kind": self.tcfg.weights,
+                "manifest_sha256": self.store.manifest_sha256(version),
+                "created_at": repr(time.time()),
+            }
+        )
+
+    def last_announced(self) -> int:
+        last = self.client.xrevrange(self.keys.checkpoints, count=1)
+        if not last:
+            return 0
+        return int(last[0][1][b"version"])
+
+    def due(self, open_ids: int, steps_since: int) -> bool:
+        """Publish after ``checkpoint.everySteps`` steps or ``everySeconds``, when anything was trained."""
+        if not open_ids:
+            return False
+        if steps_since >= self.tcfg.checkpoint.every_steps:
+            return True
+        every = self.tcfg.checkpoint.every_seconds
+        return every > 0 and time.monotonic() - self.last_publish >= every
+
+    def protected_versions(self) -> set[int]:
+        """Versions a replica has loaded (or is loading) and versions the routing table points at."""
+        protected: set[int] = set()
+        for field, raw in self.client.hgetall(self.keys.versions).items():
+            try:
+                state = PolicyVersionState.from_json(raw)
+            except Exception:
+                protected.add(int(field))
+                continue
+            if state.state in ("loaded", "loading"):
+                protected.add(state.version)
+        table = PolicyTable.from_redis(self.client.hgetall(self.keys.policy))
+        protected.update(v for v in (table.stable, table.candidate, table.pinned) if v)
+        return protected

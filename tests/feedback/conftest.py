@@ -113,3 +113,14 @@ def module_valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def r(module_valkey: EmbeddedValkey) -> Iterator[redis.Redis]:
+    """A client of the module's valkey, emptied first: each test starts from no rollouts and no samples."""
+    client = redis.Redis.from_url(module_valkey.url)
+    client.flushall()
+    try:
+        yield client
+    finally:
+        client.close()

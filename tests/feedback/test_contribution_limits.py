@@ -74,16 +74,6 @@ class Feedback:
 
 
 @pytest.fixture
-def r(module_valkey) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(module_valkey.url)
-    client.flushall()
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-@pytest.fixture
 def limited(module_valkey, tmp_path) -> Iterator[Feedback]:
     srv = Feedback(tmp_path, module_valkey.url, {"maxSamplesPerUserPerHour": 3, "anomalyK": 0})
     try:

@@ -6,11 +6,9 @@ gateway writes them (the gateway end of the same rules: test_rollout_rules_throu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis
 
 from onlinerl.fim import get_template
 from onlinerl_feedback.store import APPEND_LUA
@@ -30,16 +28,6 @@ def server(module_valkey, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture
-def r(module_valkey) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(module_valkey.url)
-    client.flushall()
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def post(http: httpx.Client, server, body: dict, tenant: str = "acme") -> dict:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis as AsyncRedis
 
@@ -47,16 +45,6 @@ def server(module_valkey, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture
-def r(module_valkey) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(module_valkey.url)
-    client.flushall()
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def served(module_valkey, keys, records: list[RolloutRecord], silence: SilenceConfig = SILENCE) -> None:

@@ -6,8 +6,6 @@ One server per module; each test starts from an empty database (FLUSHALL).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import orjson
 import pytest
@@ -32,16 +30,6 @@ def server(module_valkey, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture
-def r(module_valkey) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(module_valkey.url)
-    client.flushall()
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def post(http: httpx.Client, server, body: dict, tenant: str = "acme", **kw) -> httpx.Response:

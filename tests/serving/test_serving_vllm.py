@@ -208,7 +208,7 @@ def test_continue_stream_is_wellformed_sse_and_recorded(stack: Stack, tiny_model
     assert out.chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
     rec = record_for(stack, "acme", PROMPT, out.headers["x-onlinerl-rollout-id"])
-    assert rec.completion == out.text and rec.tenant == "acme" and rec.policy_version == 0 and rec.arm == "base"
+    assert rec.completion == out.text and rec.tenant == "acme" and rec.policy_version == 0 and rec.arm == "stable"
     assert rec.served_model == "onlinerl-base"
     assert rec.sampling.temperature == 0.01 and rec.sampling.stop == list(QWEN.stop) and rec.sampling.max_tokens == 24
     tok = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json"))
@@ -240,7 +240,7 @@ def test_streamed_logprobs_equal_recorded(stack: Stack) -> None:
 
 
 def test_non_stream_is_recorded_and_counted(stack: Stack) -> None:
-    served_before = int(stack.redis.hget(stack.keys.stats(0, "base"), "served") or 0)
+    served_before = int(stack.redis.hget(stack.keys.stats(0, "stable"), "served") or 0)
     with stack.gateway.client() as c:
         resp = c.post("/v1/completions", json=continue_body(stream=False, temperature=0.0), headers=AUTH)
     assert resp.status_code == 200, resp.text
@@ -252,7 +252,7 @@ def test_non_stream_is_recorded_and_counted(stack: Stack) -> None:
     rec = record_for(stack, "acme", PROMPT, resp.headers["x-onlinerl-rollout-id"])
     assert rec.completion == body["choices"][0]["text"]
     assert len(rec.completion_token_ids) == body["usage"]["completion_tokens"] == len(rec.behaviour_logprobs)
-    assert int(stack.redis.hget(stack.keys.stats(0, "base"), "served")) == served_before + 1
+    assert int(stack.redis.hget(stack.keys.stats(0, "stable"), "served")) == served_before + 1
 
 
 def test_record_is_readable_as_soon_as_the_client_has_the_completion(stack: Stack) -> None:
@@ -312,8 +312,8 @@ def test_gateway_metrics_count_what_was_served(stack: Stack) -> None:
         for line in metrics.splitlines()
         if line and not line.startswith("#")
     }
-    assert samples['onlinerl_serving_rollouts_recorded_total{arm="base",version="0"}'] >= 3
-    assert samples['onlinerl_serving_requests_total{arm="base",code="200",tenant="acme",version="0"}'] >= 3
+    assert samples['onlinerl_serving_rollouts_recorded_total{arm="stable",version="0"}'] >= 3
+    assert samples['onlinerl_serving_requests_total{arm="stable",code="200",tenant="acme",version="0"}'] >= 3
     assert samples["onlinerl_serving_ttft_seconds_count"] >= 2
     assert samples['onlinerl_serving_request_duration_seconds_count{stream="false"}'] >= 1
     assert samples["onlinerl_serving_gateway_overhead_seconds_count"] >= 3
@@ -629,7 +629,7 @@ def test_rollback_reaches_serving_with_no_failed_request(stack: Stack) -> None:
     assert len(after) >= 16 and all(r[3] == "0" for r in after)
     for r in after[:8]:
         rec = record_for(stack, "acme", PROMPT, r[4])
-        assert rec.policy_version == 0 and rec.arm == "base"
+        assert rec.policy_version == 0 and rec.arm == "stable"
     assert policy(stack).candidate is None
 
 

@@ -77,7 +77,9 @@ def test_zero_matches_plain_torch_and_guards_nonfinite(tmp_path, valkey, tiny_mo
     assert ds_losses == pytest.approx(torch_losses, abs=1e-5)
     assert abs(torch_losses[2] - torch_losses[0]) > 1e-3  # it did train (weights moved between steps)
     end_t, end_d = plain.trainable_state_dict(), zero2.trainable_state_dict()
-    assert max(float((end_t[k] - end_d[k]).abs().max()) for k in end_t) < 1e-5
+    # fp32 sums in another order (ZeRO-3 partitions and gathers parameters): 5e-5 is still 20x below the update size
+    # asserted next. Full, uncut rows (up to trainer.maxSeqLen 256) measured 1.95e-5 at stage 3.
+    assert max(float((end_t[k] - end_d[k]).abs().max()) for k in end_t) < 5e-5
     assert max(float((end_t[k] - start[k]).abs().max()) for k in end_t) > 1e-3
 
     # A non-finite loss skips the whole step on both backends: weights unchanged.

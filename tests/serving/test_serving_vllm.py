@@ -257,7 +257,11 @@ def test_non_stream_is_recorded_and_counted(stack: Stack) -> None:
 
 def test_record_is_readable_as_soon_as_the_client_has_the_completion(stack: Stack) -> None:
     """The record write goes out before [DONE] / the body (its fsync'd reply is awaited after): a reader on another
-    connection, like the feedback service, finds it the moment the client has the completion, every time."""
+    connection, like the feedback service, finds it by the time the client has the completion.
+
+    "On the socket before [DONE]" is what the gateway controls; Redis applies the write on its next event-loop turn, so
+    a reader racing at the very same instant can (rarely: 1 in ~100 here) be served first. The check therefore allows
+    that turn (wait_for, at most 1 s) -- Continue's upload follows a user's Tab or a 10 s timeout, never that instant."""
     with stack.gateway.client() as c:
         for i in range(12):
             if i % 2:
@@ -267,7 +271,8 @@ def test_record_is_readable_as_soon_as_the_client_has_the_completion(stack: Stac
                 resp = c.post("/v1/completions", json=continue_body(max_tokens=2, stream=False), headers=AUTH)
                 status, rollout_id = resp.status_code, resp.headers["x-onlinerl-rollout-id"]
             assert status == 200
-            assert stack.redis.hexists(stack.keys.rollouts("acme", PROMPT), rollout_id), f"request {i}: no record yet"
+            key = stack.keys.rollouts("acme", PROMPT)
+            wait_for(lambda k=key, r=rollout_id: stack.redis.hexists(k, r), 1.0, what=f"request {i}'s record")
 
 
 def _series_sum(text: str, name: str, *labels: str) -> float:
@@ -716,5 +721,7 @@ def test_poisoned_announcements_are_refused_and_a_good_one_after_them_loads(stac
     good = write_lora_checkpoint(JOB, stack.base_model, stack.ckpt_root, 6, seed=66)
     announce(stack.redis, JOB, 6, good)
     wait_for(lambda: adapter_name(JOB, 6) in engine_models(stack), 60, what="the good v6 loaded")
-    assert version_state(stack, 6).state == "loaded" and version_state(stack, 6).path == str(good)
+    # vLLM lists the adapter as soon as it is loaded; the reloader marks it loaded after its warm-up completion.
+    wait_for(lambda: version_state(stack, 6).state == "loaded", 30, what="v6 marked loaded after its warm-up")
+    assert version_state(stack, 6).path == str(good)
     assert httpx.get(f"{stack.reloader_url}/healthz").json()["ok"] is True

@@ -261,7 +261,7 @@ def test_record_is_readable_as_soon_as_the_client_has_the_completion(stack: Stac
 
     "On the socket before [DONE]" is what the gateway controls; Redis applies the write on its next event-loop turn, so
     a reader racing at the very same instant can (rarely: 1 in ~100 here) be served first. The check therefore allows
-    that turn (wait_for, at most 1 s) -- Continue's upload follows a user's Tab or a 10 s timeout, never that instant."""
+    that turn (wait_for, at most 1 s): Continue uploads after a Tab or a 10 s timeout, never at that instant."""
     with stack.gateway.client() as c:
         for i in range(12):
             if i % 2:

@@ -14,20 +14,19 @@ import httpx
 import pytest
 import redis
 import torch
-import yaml
 from transformers import AutoTokenizer
 
 from onlinerl.config import OnlineRLConfig
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
 from onlinerl.loop.continue_client import ContinueClient
-from onlinerl.loop.stack import DEMO_TENANT, Stack, StackPaths, effective_config, ensure_demo_key
+from onlinerl.loop.stack import DEMO_TENANT, Stack, StackPaths
 from onlinerl.procs import wait_for
 from onlinerl.schemas import TrainingSample
-from onlinerl.valkey import EmbeddedValkey, free_port
-from onlinerl_serving.engine import start_vllm
+from onlinerl.valkey import free_port
 from onlinerl_trainer.batching import Batch
 from onlinerl_trainer.trainer import Trainer
+from tests.loop.stacks import start_serving_and_feedback
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -71,19 +70,8 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
             },
         }
     )
-    running = Stack(cfg, paths)
+    running = start_serving_and_feedback(cfg, paths, tiny_model_path)
     try:
-        running.valkey = EmbeddedValkey(paths.valkey, port=free_port()).start()
-        running.api_key = ensure_demo_key(paths)
-        running.cfg = effective_config(cfg, paths, running.valkey.url, tiny_model_path)
-        paths.config.write_text(yaml.safe_dump(running.cfg.dump(), sort_keys=False))
-        engine_port = int(running.cfg.serving.engine_url.rsplit(":", 1)[1])
-        running.children.append(
-            start_vllm(running.cfg, tiny_model_path, paths.logs / "vllm.log", port=engine_port, wait_timeout=600)
-        )
-        c = running.cfg
-        running.start_child("gateway", "onlinerl_serving.gateway", f"http://127.0.0.1:{c.serving.port}/healthz", 60)
-        running.start_child("feedback", "onlinerl_feedback", f"http://127.0.0.1:{c.feedback.port}/healthz", 60)
         yield running
     finally:
         running.stop()

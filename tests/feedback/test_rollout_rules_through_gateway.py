@@ -14,17 +14,12 @@ import httpx
 import pytest
 import redis
 
-from onlinerl.auth import write_keys_file
-from onlinerl.config import from_mapping
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
 from onlinerl.loop.continue_client import CompletionResult, ContinueClient
-from onlinerl.procs import Child
-from onlinerl.valkey import free_port
-from onlinerl_serving.engine import start_vllm
-from tests.serving.conftest import start_gateway, write_config
 
-from .conftest import JOB, KEYS, FeedbackServer, start_feedback, stream_entries
+from .conftest import JOB, KEYS, FeedbackServer, stream_entries
+from .gateway_stack import gateway_and_feedback
 
 pytestmark = pytest.mark.vllm
 
@@ -43,35 +38,15 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(module_valkey, tmp_path_factory, tiny_model_path) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("gw")
-    keys_file = write_keys_file(tmp / "keys.yaml", {"acme": [*KEYS["acme"], {"key": EVAL_KEY, "role": "eval"}]})
-    engine_port, gw_port = free_port(), free_port()
-    sections = dict(
-        job=JOB,
-        redis={"url": module_valkey.url},
-        auth={"apiKeysFile": str(keys_file)},
-        model={"path": str(tiny_model_path), "maxModelLen": 2048},
-        storage={"checkpointDir": str(tmp / "ckpt")},
-        serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": f"http://127.0.0.1:{engine_port}"},
-        rollout={"strategy": "direct"},
-    )
-    cfg_path = write_config(tmp / "config.yaml", **sections)
-    children: list[Child] = [start_vllm(from_mapping(sections), tiny_model_path, tmp / "vllm.log", port=engine_port)]
+    tenants = {"acme": [*KEYS["acme"], {"key": EVAL_KEY, "role": "eval"}]}
     r = redis.Redis.from_url(module_valkey.url)
-    fb = None
     try:
-        children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
-        fb = start_feedback(tmp / "feedback", module_valkey.url)
-        api, track = f"http://127.0.0.1:{gw_port}/v1", f"{fb.url}/api/training/submit"
-        user = ContinueClient(api, track, KEYS["acme"][0], "acme", "onlinerl-base", QWEN, max_tokens=8)
-        evaluator = ContinueClient(api, track, EVAL_KEY, "acme", "onlinerl-base", QWEN, max_tokens=8)
-        yield Stack(user, evaluator, r, Keys(JOB), fb)
+        with gateway_and_feedback(tmp_path_factory.mktemp("gw"), module_valkey.url, tiny_model_path, tenants) as ep:
+            user = ContinueClient(ep.api, ep.track, KEYS["acme"][0], "acme", "onlinerl-base", QWEN, max_tokens=8)
+            evaluator = ContinueClient(ep.api, ep.track, EVAL_KEY, "acme", "onlinerl-base", QWEN, max_tokens=8)
+            yield Stack(user, evaluator, r, Keys(JOB), ep.feedback)
     finally:
-        if fb is not None:
-            fb.stop()
         r.close()
-        for child in reversed(children):
-            child.stop(timeout=5)
 
 
 async def serve(client: ContinueClient, prefix: str, pin: int | None = None) -> tuple[str, CompletionResult]:

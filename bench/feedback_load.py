@@ -49,6 +49,7 @@ from baseline import checkout_of  # bench/ is sys.path[0] when run as a script
 from proc_cpu import cpu_seconds, tree_cpu_seconds
 
 from onlinerl.auth import write_keys_file
+from onlinerl.dataplane import samples
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
 from onlinerl.procs import Child, python_module
@@ -63,7 +64,7 @@ TENANT = "acme"
 # 100% of them, and the anomaly test would quarantine them).
 USERS = 251
 API_KEYS = [f"bench-key-acme-{i:03d}" for i in range(USERS)]
-NAIVE_STREAM_SUFFIX = "naive-samples"
+NAIVE_JOB_SUFFIX = "-naive"  # the naive baseline writes the samples stream of a job of its own
 
 WRK_SCRIPT = r"""
 -- Request n (0-based, one wrk thread) rates rollout n of this slice: template n % #templates, with "__ID__"
@@ -269,17 +270,18 @@ def write_rollouts(redis_url: str, keys: Keys, templates: list[Template], tag: s
     return time.perf_counter() - t0
 
 
-def naive_app(redis_url: str, stream: str):
+def naive_app(redis_url: str, job: str):
     """The baseline: parse with pydantic, then one synchronous XADD per request (FastAPI runs it in its threadpool)."""
     from fastapi import FastAPI
 
     client = redis.Redis.from_url(redis_url)
+    keys = Keys(job)
     app = FastAPI()
 
     @app.post("/api/training/submit")
     def submit(event: CompletionOutcome) -> dict:
-        entry_id = client.xadd(stream, {"data": event.model_dump_json(by_alias=True)})
-        return {"status": "submitted", "completion_id": event.completion_id, "id": entry_id.decode()}
+        entry_id = samples.add(client, keys, event.model_dump_json(by_alias=True))
+        return {"status": "submitted", "completion_id": event.completion_id, "id": entry_id}
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -288,11 +290,11 @@ def naive_app(redis_url: str, stream: str):
     return app
 
 
-def serve_naive(port: int, redis_url: str, stream: str) -> None:
+def serve_naive(port: int, redis_url: str, job: str) -> None:
     import uvicorn
 
     uvicorn.run(
-        naive_app(redis_url, stream),
+        naive_app(redis_url, job),
         host="127.0.0.1",
         port=port,
         loop="uvloop",
@@ -349,17 +351,17 @@ def run_wrk(
     return res
 
 
-def audit_stream(client: redis.Redis, stream: str, id_field: str) -> Counter[str]:
-    """Entries per event id in ``stream``, read back page by page."""
+def audit_stream(client: redis.Redis, keys: Keys, id_field: str) -> Counter[str]:
+    """Entries per event id in the samples stream of ``keys``, read back page by page."""
     ids: Counter[str] = Counter()
     start = "-"
     while True:
-        page = client.xrange(stream, min=start, count=5000)
+        page = samples.read_all(client, keys, count=5000, start=start)
         if not page:
             return ids
-        for _, fields in page:
-            ids[orjson.loads(fields[b"data"])[id_field]] += 1
-        start = "(" + page[-1][0].decode()
+        for _, data in page:
+            ids[orjson.loads(data)[id_field]] += 1
+        start = "(" + page[-1][0]
 
 
 def wait_no_rewrite(client: redis.Redis, timeout: float = 180.0) -> None:
@@ -398,7 +400,7 @@ def measure_slice(
     name: str,
     child: Child,
     port: int,
-    stream: str,
+    keys: Keys,
     client: redis.Redis,
     vk_pid: int,
     conns: int,
@@ -439,7 +441,7 @@ def measure_slice(
     res["trained_rps"] = res["trained"] / (res["duration_us"] / 1e6)
     acked = acked_path.read_text().split()
     acked_path.unlink()
-    audit = exact_audit(acked, audit_stream(client, stream, "event_id" if ours else "completionId"))
+    audit = exact_audit(acked, audit_stream(client, keys, "event_id" if ours else "completionId"))
     client.flushdb()
     res.update(server=name, connections=conns, rollouts_written=rollouts, rollout_setup_s=round(setup_s, 2), **audit)
     if audit["acked_ids"] != res["trained"]:
@@ -517,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         "before/after in one run",
     )
     p.add_argument("--out", default="", help="write the results as JSON here")
-    p.add_argument("--serve-naive", nargs=3, metavar=("PORT", "REDIS_URL", "STREAM"), help=argparse.SUPPRESS)
+    p.add_argument("--serve-naive", nargs=3, metavar=("PORT", "REDIS_URL", "JOB"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_naive:
         serve_naive(int(args.serve_naive[0]), args.serve_naive[1], args.serve_naive[2])
@@ -529,9 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = Keys(JOB)
     worker_counts = [int(w) for w in args.workers.split(",")]
     # Every variant of ours writes the job's samples stream; slices run one at a time and each empties it first.
-    streams = {server_name(w): keys.samples for w in worker_counts}
+    streams = {server_name(w): keys for w in worker_counts}
     if not args.skip_naive:
-        streams["naive"] = keys.prefix + NAIVE_STREAM_SUFFIX
+        streams["naive"] = Keys(JOB + NAIVE_JOB_SUFFIX)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="feedback-bench-") as tmp_s:
         tmp = Path(tmp_s)
@@ -562,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             argvs["naive"] = [
                 sys.executable,
                 str(Path(__file__).resolve()),
-                *("--serve-naive", str(ports.get("naive")), vk.url, streams.get("naive", "")),
+                *("--serve-naive", str(ports.get("naive")), vk.url, JOB + NAIVE_JOB_SUFFIX),
             ]
             env = {name: {"ONLINERL_CONFIG": str(tmp / "config.yaml")} for name in ports}
             cwd: dict[str, str] = {}
@@ -580,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 env[name] = {"ONLINERL_CONFIG": str(tmp / "config.yaml"), "PYTHONPATH": str(path)}
                 cwd[name] = str(path)
-                streams[name] = keys.samples
+                streams[name] = keys
             children: dict[str, Child] = {}
             try:
                 for name, port in ports.items():  # all stay up; slices alternate so load drift hits all alike

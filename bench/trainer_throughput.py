@@ -103,6 +103,7 @@ def main() -> None:
     import redis
 
     from onlinerl.config import from_mapping
+    from onlinerl.dataplane import samples as samples_stream
     from onlinerl.keys import Keys
     from onlinerl.valkey import EmbeddedValkey
     from onlinerl_trainer.batching import StreamSample, collate
@@ -140,7 +141,7 @@ def main() -> None:
         for i, samples in enumerate(batches):
             # Feedback's XADDs happen outside both timers (another service does them in production).
             for s in samples:
-                client.xadd(keys.samples, {"data": s.to_json()})
+                samples_stream.add(client, keys, s.to_json())
             batch = collate(
                 [StreamSample(str(j), s) for j, s in enumerate(samples)], cfg.trainer.max_seq_len, trainer.pad_id
             )
@@ -173,7 +174,7 @@ def main() -> None:
                 parts["train_on"] += tb - ta
                 parts["publish"] += t2 - tb
                 tokens.append(batch.num_tokens)
-        assert client.xlen(keys.samples) == 0 or args.checkpoint_every > 1
+        assert samples_stream.length(client, keys) == 0 or args.checkpoint_every > 1
         trainer.close()
         client.close()
 

@@ -45,7 +45,11 @@ class ImagesConfig(_Section):
     trainer: str = Field("ghcr.io/onlinerl/onlinerl-trainer:0.1.0", max_length=512)
     vllm: str = Field("vllm/vllm-openai:v0.32.0", max_length=512)
     vllm_cpu: str = Field("ghcr.io/onlinerl/onlinerl-engine-cpu:0.1.0", max_length=512)
-    redis: str = Field("valkey/valkey:8.1", max_length=512)
+    redis: str = Field(
+        "valkey/valkey:9.0",
+        max_length=512,
+        description="Needs valkey >= 9.0 (or Redis >= 7.4): rollout records expire per hash field (HEXPIRE).",
+    )
     rollout: str = Field("ghcr.io/onlinerl/onlinerl-rollout:0.1.0", max_length=512)
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
 
@@ -84,8 +88,9 @@ class RedisConfig(_Section):
     url_secret_key: str = "url"
     password_secret: str = Field(
         "",
-        description="k8s, in-cluster Redis: Secret whose key `password` holds its password (URL-safe characters). "
-        "Empty: the operator creates `<job>-redis-auth` with a generated one.",
+        description="k8s, in-cluster Redis: Secret with one key per ACL user (`serving`, `feedback`, `trainer`, "
+        "`rollout`, `operator`, `admin`), each that user's password (URL-safe characters). Empty: the operator "
+        "creates `<job>-redis-users` with generated ones.",
     )
     storage_size: str = Field("8Gi", description="k8s: volume of the in-cluster Redis (used when no URL is given).")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
@@ -130,6 +135,15 @@ class ServingConfig(_Section):
         description="vLLM streams the first token at once, then tokens in groups of this many (and the last ones "
         "when done): fewer SSE events to relay and serialize. Continue shows a completion only once it is complete, "
         "so neither time to first token nor total time changes. 1 = an event per token.",
+    )
+    max_records_per_tenant: int = Field(
+        50_000,
+        ge=1,
+        le=10_000_000,
+        description="Rollout records kept per tenant (each holds its prompt and token ids, a few KB). Over the cap "
+        "the gateway evicts the tenant's oldest records (counted in onlinerl_serving_rollout_records_evicted_total, "
+        "logged with the tenant) and the user's request still succeeds; an evicted rollout can no longer be rated. "
+        "Each record also expires redis.rolloutTtlSeconds after it was written.",
     )
     weights_mode: Literal["lora", "full"] = "lora"
     lora: ServingLoraConfig = Field(default_factory=ServingLoraConfig)
@@ -241,11 +255,28 @@ class StalenessConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    """Critic-free clipped PPO (see services/trainer/onlinerl_trainer/loss.py for the math)."""
+    """Critic-free clipped PPO (see services/trainer/onlinerl_trainer/loss.py for the math).
+
+    The defaults let a reject carry gradient without flattening the policy (docs/demo.md, "Choosing the default
+    algorithm"): Cursor's reward with a running baseline pushes rejected completions down, and four tools bound how
+    far: a KL penalty to the base (klCoef), a tighter lower clip for negative advantages (clipEpsNegative), the dual
+    clip, and seq-mean aggregation (a long rejected completion weighs as much as a short accepted one, not more).
+    """
 
     clip_eps: float = Field(0.2, gt=0, lt=1)
-    dual_clip: float | None = Field(None, gt=1, description="c in Ye et al. dual clip; None disables it.")
-    aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+    clip_eps_negative: float | None = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="Lower ratio bound 1 - eps for tokens with a negative advantage (None = clipEps). Smaller than "
+        "clipEps caps how far one batch of rejects can push a token down (asymmetric clipping).",
+    )
+    dual_clip: float | None = Field(3.0, gt=1, description="c in Ye et al. dual clip; None disables it.")
+    aggregation: Literal["token-mean", "seq-mean"] = Field(
+        "seq-mean",
+        description="seq-mean: every completion weighs the same; token-mean: every token (long completions, mostly "
+        "rejected ones, then dominate the gradient).",
+    )
     baseline: Literal["running", "batch", "none"] = "running"
     baseline_momentum: float = Field(0.9, ge=0, lt=1)
     normalize_advantages: bool = False
@@ -253,13 +284,37 @@ class AlgorithmConfig(_Section):
     is_truncation: float = Field(
         2.0, gt=0, description="Cap on the behaviour-mismatch importance weight under recompute."
     )
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(
+        0.1,
+        ge=0,
+        description="Weight of the per-token KL(pi_theta || pi_base) penalty. With LoRA the base is the adapter "
+        "switched off (no second model); full weights load a frozen, unsharded copy on every rank (set 0 when "
+        "memory is short).",
+    )
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k3", description="KL estimator on the sampled tokens: k3 (unbiased, never negative) or k1 (log ratio)."
+    )
     entropy_coef: float = Field(0.0, ge=0)
+    entropy_min: float = Field(
+        0.2,
+        ge=0,
+        description="Entropy band (nats per completion token, at the sampled temperature): a step whose entropy "
+        "leaves [entropyMin, entropyMax] logs a warning and sets onlinerl_trainer_entropy_out_of_band.",
+    )
+    entropy_max: float = Field(2.0, gt=0, description="Upper end of the entropy band (see entropyMin).")
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+
+    @model_validator(mode="after")
+    def _band_ordered(self) -> AlgorithmConfig:
+        if self.entropy_min >= self.entropy_max:
+            raise ValueError(
+                f"trainer.algorithm.entropyMin ({self.entropy_min}) must be below entropyMax ({self.entropy_max})"
+            )
+        return self
 
 
 class TrainerLoraConfig(_Section):
@@ -307,6 +362,20 @@ class TrainerConfig(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     max_restarts: int = Field(5, ge=0, description="k8s: failed trainer Jobs recreated before the job turns Failed.")
     restart_backoff_seconds: float = Field(30.0, ge=0, description="k8s: first retry delay, doubled per failure.")
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="k8s: trainer pods (nodes), each running max(gpus, 1) ranks. Above 1: an Indexed Job (or a "
+        "JobSet where jobset.x-k8s.io is served) plus a headless Service; torchrun on each pod rendezvouses at "
+        "pod 0 (node rank = completion index). Rank 0 alone reads the samples stream. Needs engine deepspeed.",
+    )
+    rendezvous_port: int = Field(29500, ge=1, le=65535, description="k8s: torchrun's rendezvous port on pod 0.")
+    multi_node_api: Literal["auto", "job", "jobset"] = Field(
+        "auto",
+        description="k8s, nodes > 1: `job` (Indexed Job + headless Service), `jobset` (jobset.x-k8s.io/v1alpha2), "
+        "or `auto` (JobSet when the cluster serves it).",
+    )
 
 
 class StorageConfig(_Section):
@@ -378,9 +447,12 @@ class GuardrailConfig(_Section):
 class RolloutConfig(_Section):
     """Safe rollout: who is stable, who is the candidate, and how traffic is split.
 
-    ``canary`` (default): a loaded version must pass the eval gate, then earns traffic through the canary controller
-    (promote / rollback). ``direct``: the reloader makes each loaded version stable at once, with nothing between a
-    checkpoint and every user.
+    ``canary`` (default with ``serving.weightsMode: lora``): a loaded version must pass the eval gate, then earns
+    traffic through the canary controller (promote / rollback). ``bluegreen`` (default with ``weightsMode: full``,
+    which serves one version at a time): the eval gate, then the switch of all traffic to the candidate (policy
+    ``canary_share`` 1), then a live watch window judged by the same decision function against a frozen snapshot of
+    stable's figures, ending in keep (promote) or an automatic switch back (rollback). ``direct``: the reloader makes
+    each loaded version stable at once, with nothing between a checkpoint and every user.
 
     The defaults let the local loop (2 CPU cores, a few requests per second) move within minutes while staying
     honest: every verdict is a Bayesian test at doubling looks with alpha spending, so the chance of ever promoting
@@ -391,7 +463,11 @@ class RolloutConfig(_Section):
     ``minDwellSeconds`` to span a traffic cycle (hours) and lower ``canaryShare`` to limit exposure.
     """
 
-    strategy: Literal["direct", "canary"] = "canary"
+    strategy: Literal["direct", "canary", "bluegreen"] = Field(
+        "canary",
+        description="canary (two versions at once: LoRA), bluegreen (gate, switch everyone, watch, automatic "
+        "switch back: the default for serving.weightsMode full), or direct (no gate, no watch).",
+    )
     canary_share: float = Field(0.25, ge=0, le=1)
     pinned_version: int | None = Field(None, ge=0)
     rollback_to: int | None = Field(
@@ -404,6 +480,86 @@ class RolloutConfig(_Section):
     rollback_probability: float = Field(0.95, gt=0.5, lt=1)
     guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+
+    @property
+    def controlled(self) -> bool:
+        """Whether the rollout controller runs (canary, bluegreen); under ``direct`` the reloader decides alone."""
+        return self.strategy != "direct"
+
+
+class AutoscaleConfig(_Section):
+    """Replicas follow load between ``minReplicas`` and ``maxReplicas`` (k8s; ``replicas`` is then the start only).
+
+    ``metric``: ``load`` scales on the component's load metric per pod (serving: in-flight requests,
+    ``onlinerl_serving_inflight_requests``; feedback: requests per second, the rate of
+    ``onlinerl_feedback_responses_total``), through the HPA's Pods metric (custom.metrics.k8s.io, e.g.
+    prometheus-adapter) or KEDA's Prometheus trigger; without either it falls back to CPU. ``cpu``: CPU utilization.
+    """
+
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=1, le=1000)
+    max_replicas: int = Field(4, ge=1, le=1000)
+    metric: Literal["load", "cpu"] = "load"
+    target_load: float = Field(4.0, gt=0, description="Load per pod to hold: in-flight requests per serving pod.")
+    target_cpu_utilization: int = Field(70, ge=1, le=100, description="Percent of the CPU request (metric cpu).")
+    provider: Literal["auto", "hpa", "keda"] = Field(
+        "auto", description="`auto`: a KEDA ScaledObject when keda.sh/v1alpha1 is served, else an HPA (autoscaling/v2)."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"maxReplicas ({self.max_replicas}) must be >= minReplicas ({self.min_replicas})")
+        return self
+
+
+class FeedbackAutoscaleConfig(AutoscaleConfig):
+    """The feedback service's autoscaler: its load is requests per second per pod."""
+
+    target_load: float = Field(20.0, gt=0, description="Requests per second per feedback pod to hold.")
+
+
+class ComponentScalingConfig(_Section):
+    """Autoscaling and disruption budget of one Deployment (serving or feedback)."""
+
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    max_unavailable: int = Field(
+        1,
+        ge=1,
+        description="PodDisruptionBudget: pods a voluntary disruption (node drain) may take at once. Rendered when "
+        "the component runs more than one replica (replicas or autoscale.minReplicas > 1).",
+    )
+
+
+class FeedbackScalingConfig(ComponentScalingConfig):
+    autoscale: FeedbackAutoscaleConfig = Field(default_factory=FeedbackAutoscaleConfig)
+
+
+class SpreadConfig(_Section):
+    """topologySpreadConstraints of the serving and feedback pods: one per key, replicas spread across zones/nodes."""
+
+    enabled: bool = True
+    topology_keys: list[str] = Field(
+        default_factory=lambda: ["topology.kubernetes.io/zone", "kubernetes.io/hostname"], max_length=8
+    )
+    max_skew: int = Field(1, ge=1)
+    when_unsatisfiable: Literal["ScheduleAnyway", "DoNotSchedule"] = Field(
+        "ScheduleAnyway", description="`ScheduleAnyway`: a preference (a one-zone cluster still schedules)."
+    )
+
+
+class ScalingConfig(_Section):
+    """k8s: autoscalers, PodDisruptionBudgets and topology spread for the serving and feedback Deployments."""
+
+    serving: ComponentScalingConfig = Field(default_factory=ComponentScalingConfig)
+    feedback: FeedbackScalingConfig = Field(default_factory=FeedbackScalingConfig)
+    spread: SpreadConfig = Field(default_factory=SpreadConfig)
+    prometheus_url: str = Field(
+        "",
+        max_length=2048,
+        description="Prometheus that KEDA's trigger queries for the load metric (e.g. "
+        "http://prometheus-operated.monitoring:9090); empty: KEDA scales on CPU.",
+    )
 
 
 class IngressConfig(_Section):
@@ -431,6 +587,7 @@ class OnlineRLConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
 
     @model_validator(mode="after")
@@ -448,16 +605,17 @@ class OnlineRLConfig(_Section):
     @model_validator(mode="after")
     def _strategy_fits_weights_mode(self) -> OnlineRLConfig:
         """Full-weight serving holds one version per vLLM, so it cannot split traffic between two: a canary there
-        would be silently skipped. An explicit ``canary`` is refused; the default resolves to ``direct`` (stable
-        still follows the policy table, manual rollbacks and pins included)."""
+        would be silently skipped. An explicit ``canary`` is refused (naming ``bluegreen``, which fits); the default
+        resolves to ``bluegreen``: the gate, the switch of everyone, a live watch and automatic switch back."""
         if self.serving.weights_mode == "full" and self.rollout.strategy == "canary":
             if "strategy" in self.rollout.model_fields_set:
                 raise ValueError(
                     "rollout.strategy: canary needs two versions served at once, but serving.weightsMode: full holds "
-                    "one version per vLLM: set rollout.strategy: direct (stable follows the policy table; "
-                    "`onlinerl policy rollback` and pin still apply) or serving.weightsMode: lora for a canary"
+                    "one version per vLLM: set rollout.strategy: bluegreen (eval gate, switch of all traffic, live "
+                    "watch against stable's figures, automatic switch back on a regression), or direct (no gate), "
+                    "or serving.weightsMode: lora for a canary"
                 )
-            self.rollout.strategy = "direct"
+            self.rollout.strategy = "bluegreen"
         return self
 
     def dump(self) -> dict[str, Any]:

@@ -31,20 +31,25 @@ class Keys:
 
     # --- serving -> feedback ------------------------------------------------------------------------------------
     def rollouts(self, tenant: str, prompt: str) -> str:
-        """Hash ``rollout_id -> RolloutRecord JSON`` of every completion served for one tenant and prompt (TTL)."""
+        """Hash ``rollout_id -> RolloutRecord JSON`` of every completion served for one tenant and prompt (a TTL per
+        field, so each record expires on its own: onlinerl/dataplane/rollouts.py)."""
         return f"{self.prefix}rollouts:{tenant}:{prompt_digest(prompt)}"
 
     @staticmethod
     def rated_field(rollout_id: str) -> str:
         """Field ``rated:{rollout_id}`` of the rollout's own ``rollouts:*`` hash: ``"<outcome> <entry id>"`` of the one
-        feedback event that rated it (set by feedback in the same Lua script as the XADD). A field, not a key of its
-        own, so it lives exactly as long as the record: the gateway refreshes the hash's TTL whenever that prompt is
-        served again, so any fixed marker TTL could expire while the record is still joinable."""
+        feedback event that rated it (set by feedback in the same Lua script as the XADD). A field of the record's own
+        hash with its own field TTL, set so that it outlives the record it guards (onlinerl/dataplane/rollouts.py)."""
         return f"{RATED_FIELD_PREFIX}{rollout_id}"
 
     def rollouts_by_digest(self, tenant: str, digest: str) -> str:
         """The same ``rollouts:*`` hash named by its prompt digest (a due entry holds the digest, not the prompt)."""
         return f"{self.prefix}rollouts:{tenant}:{digest}"
+
+    def rollouts_index(self, tenant: str) -> str:
+        """Sorted set ``"<prompt digest> <rollout_id>"`` scored by finish time: every live record of a tenant, so the
+        gateway's record script can cap the tenant at ``serving.maxRecordsPerTenant`` by evicting its oldest."""
+        return f"{self.prefix}rollouts-index:{tenant}"
 
     def silence_due(self, tenant: str) -> str:
         """Sorted set ``"<prompt digest> <rollout_id>"`` scored by the rollout's finish time (unix s): rollouts of a

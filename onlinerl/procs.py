@@ -111,7 +111,19 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.signal(signal.SIGKILL)
                 self.proc.wait(5)
+        self.reap_group()
         return self.proc.returncode
+
+    def reap_group(self) -> None:
+        """SIGKILL what is left of a dead child's process group: a leader killed with -9 (OOM killer, a crash) leaves
+        its own children running (vLLM's engine-core process holds the model and CPU), and a restart must not stack
+        a second copy on top. The group id cannot be reused while any member lives, so this hits only our orphans."""
+        if self.proc is None or self.alive():
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def kill(self) -> None:
         """SIGKILL the group at once (crash tests)."""
@@ -179,6 +191,7 @@ class Supervisor:
                     book.failures = 0
                 continue
             code = child.proc.returncode if child.proc is not None else None
+            child.reap_group()
             book.failures = book.failures + 1 if now - book.started_at < self.stable_after_s else 1
             tail = log_tail(child.log_path, 15)
             if book.failures > self.max_restarts:

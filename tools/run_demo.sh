@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The learning demonstration, end to end (docs/demo.md): start the stack on configs/demo.yaml, let simulated
 # users drive it while the trainer learns for DURATION seconds, then evaluate base vs latest on the held-out split.
-# Usage: tools/run_demo.sh [DURATION_SECONDS=3000] [STATE_DIR=.onlinerl-demo]
+# Usage: [CONFIG=configs/demo.yaml] [EVAL_LIMIT=200] tools/run_demo.sh [DURATION_SECONDS=3000] [STATE_DIR=.onlinerl-demo]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-3000}
 STATE=${2:-.onlinerl-demo}
+CONFIG=${CONFIG:-configs/demo.yaml}
+EVAL_LIMIT=${EVAL_LIMIT:-200}
 BIN=.venv/bin
 make setup
 mkdir -p "$STATE"
-$BIN/onlinerl --config configs/demo.yaml up --state "$STATE" > "$STATE/up.log" 2>&1 &
+$BIN/onlinerl --config "$CONFIG" up --state "$STATE" > "$STATE/up.log" 2>&1 &
 UP_PID=$!
 trap 'kill -TERM $UP_PID 2>/dev/null; wait $UP_PID 2>/dev/null || true' EXIT
 until grep -q "onlinerl is up" "$STATE/up.log"; do
@@ -20,5 +22,5 @@ echo "stack is up; simulating for ${DURATION}s"
 $BIN/onlinerl simulate --state "$STATE" --duration "$DURATION" --requests 1000000 --concurrency 3 \
   --max-tokens 32 --max-prefix-chars 600 | tee "$STATE/simulate.txt"
 $BIN/onlinerl status --state "$STATE" | tee "$STATE/status.txt"
-$BIN/onlinerl eval --state "$STATE" --versions 0,latest --limit 200 --concurrency 4 \
+$BIN/onlinerl eval --state "$STATE" --versions 0,latest --limit "$EVAL_LIMIT" --concurrency 4 \
   --max-tokens 32 --max-prefix-chars 600 | tee "$STATE/eval.txt"

@@ -35,46 +35,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def latest_loaded_version(cfg) -> int:
+    from onlinerl.dataplane import versions
     from onlinerl.keys import Keys
     from onlinerl.redisconn import connect as redis_connect
-    from onlinerl.schemas import PolicyVersionState
 
     r = redis_connect(cfg.redis)
     try:
-        states = [PolicyVersionState.from_json(v) for v in r.hvals(Keys(cfg.job).versions)]
+        return max(versions.read(r, Keys(cfg.job)).loaded(), default=0)
     finally:
         r.close()
-    loaded = [s.version for s in states if s.state == "loaded"]
-    return max(loaded, default=0)
 
 
 @contextlib.contextmanager
 def held_versions(cfg, versions: list[int], timeout_s: float = 180.0) -> Iterator[None]:
-    """Hold ``versions`` loaded for the evaluation (see :mod:`onlinerl.holds`) and wait until serving has them.
+    """Hold ``versions`` loaded for the evaluation (:mod:`onlinerl.dataplane.holds`) and wait until serving has them.
 
     Without it a trainer that keeps publishing gets the evaluated version retired mid-run (409 per request).
     """
-    from onlinerl.holds import hold, release
+    from onlinerl.dataplane import versions as version_states
+    from onlinerl.dataplane.holds import hold, release
     from onlinerl.keys import Keys
     from onlinerl.procs import wait_for
     from onlinerl.redisconn import connect as redis_connect
-    from onlinerl.schemas import PolicyVersionState
 
     keys = Keys(cfg.job)
     r = redis_connect(cfg.redis)
-    held = hold(r, keys.holds, versions)
+    held = hold(r, keys, versions)
     try:
 
         def loaded() -> bool:
-            states = {s.version: s.state for s in map(PolicyVersionState.from_json, r.hvals(keys.versions))}
-            return all(states.get(v) == "loaded" for v in held)
+            return set(held) <= version_states.read(r, keys).loaded()
 
         if held:
             print(f"[eval] holding versions {held} loaded while evaluating", file=sys.stderr)
             wait_for(loaded, timeout=timeout_s, interval=1.0, what=f"serving to load held versions {held}")
         yield
     finally:
-        release(r, keys.holds, held)
+        release(r, keys, held)
         r.close()
 
 

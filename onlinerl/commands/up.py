@@ -11,16 +11,21 @@ from onlinerl.loop.local import DEFAULT_STATE
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start valkey, vLLM, gateway, reloader, feedback and trainer locally")
     p.add_argument("--state", type=Path, default=DEFAULT_STATE, help="state directory (default: .onlinerl)")
+    # ports of the processes whose port is not in the job config: a second stack on the same machine needs its own
+    p.add_argument("--redis-port", type=int, default=16379, help="embedded valkey (default: 16379)")
+    p.add_argument("--reloader-port", type=int, default=8004, help="reloader health and metrics (default: 8004)")
+    p.add_argument("--rollout-port", type=int, default=8005, help="rollout controller health (default: 8005)")
     p.set_defaults(func=_up)
 
 
 def _up(args: argparse.Namespace) -> int:
     from onlinerl.config import load_config
-    from onlinerl.loop.stack import banner, run_forever, start_stack
+    from onlinerl.loop.stack import LocalPorts, banner, run_forever, start_stack
 
     cfg = load_config(args.config)
+    ports = LocalPorts(redis=args.redis_port, reloader=args.reloader_port, rollout=args.rollout_port)
     try:
-        stack = start_stack(cfg, args.state)
+        stack = start_stack(cfg, args.state, ports=ports)
     except KeyboardInterrupt:
         return 130
     print(banner(stack), flush=True)

@@ -6,6 +6,7 @@ both ``Authorization: Bearer`` and ``api-key``, and uploads an AutocompleteOutco
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +38,15 @@ class CompletionResult:
     @property
     def failed(self) -> bool:
         return self.status != 200 or bool(self.error)
+
+
+@dataclass
+class UploadResult:
+    """An upload's final answer and how many tries it took (retries show an outage the client waited out)."""
+
+    status: int  # 0: no answer before the retry deadline
+    reply: dict
+    attempts: int = 1
 
 
 @dataclass
@@ -137,28 +147,38 @@ class ContinueClient:
             "multilineCompletions": "auto",
         }
 
-    async def post_outcome(self, http: httpx.AsyncClient, body: dict, retries: int = 5) -> tuple[int, dict]:
-        """Upload with Continue's headers; retry 429/503 after Retry-After (backpressure is honoured, not dropped)."""
+    async def post_outcome(self, http: httpx.AsyncClient, body: dict, retry_for_s: float = 30.0) -> tuple[int, dict]:
+        """Upload with Continue's headers; see :meth:`upload`."""
+        up = await self.upload(http, body, retry_for_s)
+        return up.status, up.reply
+
+    async def upload(self, http: httpx.AsyncClient, body: dict, retry_for_s: float = 30.0) -> UploadResult:
+        """Upload, retrying a refused connection and 429/503 (after Retry-After) for up to ``retry_for_s`` seconds:
+        backpressure and a feedback service restarting after a crash are waited out, not dropped. Retrying the same
+        completionId is safe: the service answers ``duplicate`` with the entry that counted."""
         headers = {
             "Authorization": f"Bearer {self.api_key}",
             "X-Project-ID": self.project,
             "Content-Type": "application/json",
         }
-        import asyncio
-
-        for attempt in range(retries + 1):
+        deadline = time.monotonic() + retry_for_s
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 r = await http.post(self.tracking_url, content=orjson.dumps(body), headers=headers)
             except httpx.HTTPError as exc:
-                if attempt == retries:
-                    return 0, {"error": str(exc)}
-                await asyncio.sleep(0.5 * (attempt + 1))
+                wait = min(2.0, 0.25 * 2 ** (attempt - 1))
+                if time.monotonic() + wait > deadline:
+                    return UploadResult(0, {"error": f"{type(exc).__name__}: {exc}"}, attempt)
+                await asyncio.sleep(wait)
                 continue
-            if r.status_code in (429, 503) and attempt < retries:
-                await asyncio.sleep(float(r.headers.get("retry-after", "1")))
-                continue
+            if r.status_code in (429, 503):
+                wait = float(r.headers.get("retry-after", "1"))
+                if time.monotonic() + wait <= deadline:
+                    await asyncio.sleep(wait)
+                    continue
             try:
-                return r.status_code, r.json()
+                return UploadResult(r.status_code, r.json(), attempt)
             except ValueError:
-                return r.status_code, {"raw": r.text[:200]}
-        return 0, {}
+                return UploadResult(r.status_code, {"raw": r.text[:200]}, attempt)

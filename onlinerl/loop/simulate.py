@@ -35,6 +35,9 @@ class SimulateOptions:
     duration_s: float | None = None
     max_prefix_chars: int = 1200
     rule: AcceptRule = field(default_factory=AcceptRule)
+    # a user whose suggestion failed keeps typing: the next request comes one debounce or so later, so an outage
+    # (a component restarting) is a pause in that user's traffic, not a tight loop of refused requests
+    fail_pause_s: float = 0.5
 
 
 @dataclass
@@ -102,9 +105,13 @@ async def simulate(
 
     async def upload(client: ContinueClient, http: httpx.AsyncClient, body: dict, delay: float, entry: dict) -> None:
         await asyncio.sleep(delay)
-        status, reply = await client.post_outcome(http, body)
+        up = await client.upload(http, body)
+        status, reply = up.status, up.reply
         entry["feedback_status"] = status
+        entry["feedback_attempts"] = up.attempts
         entry["feedback"] = reply.get("status") if isinstance(reply, dict) else None
+        if isinstance(reply, dict):  # the stream entry a 200 promised to keep: bench/chaos_kill.py checks the ledger
+            entry["feedback_ids"] = [reply[k] for k in ("sample_id", "audit_id", "entry_id") if reply.get(k)]
         if status == 200:
             totals.feedback_ok += 1
         else:
@@ -143,6 +150,7 @@ async def simulate(
                 if timeline:
                     timeline.write(orjson.dumps(entry) + b"\n")
                 bar.update(totals)
+                await asyncio.sleep(opts.fail_pause_s)
                 continue
             if res.version is not None:
                 totals.versions.add(res.version)

@@ -4,8 +4,10 @@ Order: valkey (persistent) -> model bootstrap -> data set -> API key -> vLLM -> 
 (-> rollout controller when ``rollout.strategy: canary``). Each step waits on a health check with a deadline and
 fails with the child's log tail. Logs go to ``<state>/logs/``. Once up, a child that dies is restarted with backoff
 (:class:`onlinerl.procs.Supervisor`); only repeated quick deaths stop the stack. Ctrl-C stops everything in reverse
-order. State (Redis data, checkpoints, keys, the Redis password) lives in ``<state>/``, so starting again resumes the
-last policy version and the unconsumed samples.
+order. State (Redis data, checkpoints, keys, the Redis users' passwords) lives in ``<state>/``, so starting again
+resumes the last policy version and the unconsumed samples. The embedded valkey runs with one ACL user per component
+(onlinerl.dataplane.acl): each child gets its own Redis URL in ``ONLINERL__REDIS__URL``; config.yaml holds ``admin``'s,
+for the CLI.
 """
 
 from __future__ import annotations
@@ -22,11 +24,20 @@ import yaml
 
 from onlinerl.auth import new_api_key, write_keys_file
 from onlinerl.config import OnlineRLConfig
+from onlinerl.dataplane.contract import Component
 from onlinerl.procs import Child, StartupError, Supervisor, python_module
 from onlinerl.redisconn import redacted
-from onlinerl.valkey import EmbeddedValkey, ensure_password_file
+from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
 
 DEMO_TENANT = "demo"
+# Each local child's Redis user (the reloader is part of a serving pod in Kubernetes, so it is ``serving`` too).
+CHILD_USERS = {
+    "gateway": Component.SERVING,
+    "reloader": Component.SERVING,
+    "feedback": Component.FEEDBACK,
+    "trainer": Component.TRAINER,
+    "rollout": Component.ROLLOUT,
+}
 
 
 @dataclass(frozen=True)
@@ -63,8 +74,15 @@ class StackPaths:
         return self.state / "valkey"
 
     @property
-    def redis_password(self) -> Path:
-        return self.state / "redis-password"
+    def redis_users(self) -> Path:
+        """Each component's Redis password (YAML, mode 0600)."""
+        return self.state / "redis-users.yaml"
+
+
+def start_valkey(paths: StackPaths, job: str, port: int) -> EmbeddedValkey:
+    """The embedded valkey of ``paths``, durable, with one ACL user per component (passwords kept in the state)."""
+    users = RedisUsers(job, ensure_users_file(paths.redis_users))
+    return EmbeddedValkey(paths.valkey, port=port, users=users).start()
 
 
 def say(msg: str) -> None:
@@ -158,19 +176,32 @@ class Stack:
     children: list[Child] = field(default_factory=list)
     api_key: str = ""
 
-    def child_env(self) -> dict[str, str]:
-        return {
+    def child_env(self, name: str = "") -> dict[str, str]:
+        env = {
             "ONLINERL_CONFIG": str(self.paths.config.resolve()),
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
+        url = self.redis_url_for(name)
+        if url:
+            env["ONLINERL__REDIS__URL"] = url
+        return env
+
+    def redis_url_for(self, name: str) -> str:
+        """Child ``name``'s own Redis URL under the embedded valkey's ACL users; "" otherwise (config's URL)."""
+        if self.valkey is None or self.valkey.users is None or name not in CHILD_USERS:
+            return ""
+        return self.valkey.url_for(CHILD_USERS[name])
 
     def start_child(
         self, name: str, module: str, health_url: str, timeout: float, extra_env: dict | None = None
     ) -> Child:
         say(f"starting {name} (log: {self.paths.logs / (name + '.log')})")
         child = Child(
-            name, python_module(module), self.paths.logs / f"{name}.log", env={**self.child_env(), **(extra_env or {})}
+            name,
+            python_module(module),
+            self.paths.logs / f"{name}.log",
+            env={**self.child_env(name), **(extra_env or {})},
         )
         self.children.append(child.start())
         child.wait_healthy(health_url, timeout)
@@ -222,10 +253,9 @@ def start_stack(
     try:
         redis_url = cfg.redis.url
         if not redis_url:
-            on_step(f"starting embedded valkey (data: {paths.valkey}, AOF fsync always, password required)")
-            password = ensure_password_file(paths.redis_password)
-            stack.valkey = EmbeddedValkey(paths.valkey, port=ports.redis, password=password).start()
-            redis_url = stack.valkey.url
+            on_step(f"starting embedded valkey (data: {paths.valkey}, AOF fsync always, one ACL user per component)")
+            stack.valkey = start_valkey(paths, cfg.job, ports.redis)
+            redis_url = stack.valkey.url  # admin's: the CLI reads it from config.yaml; each child gets its own
         on_step("model: bootstrapping / verifying")
         model_path = resolve_model_path(cfg.model.path, progress=lambda m: on_step(f"model: {m}"))
         if build_data and not (paths.data / "train.jsonl").is_file():
@@ -253,7 +283,7 @@ def start_stack(
         )
         stack.start_child("feedback", "onlinerl_feedback", f"http://127.0.0.1:{c.feedback.port}/healthz", 60)
         stack.start_child("trainer", "onlinerl_trainer", f"http://127.0.0.1:{c.trainer.metrics_port}/healthz", 180)
-        if c.rollout.strategy == "canary":
+        if c.rollout.controlled:
             stack.start_child(
                 "rollout",
                 "onlinerl_rollout",
@@ -295,7 +325,10 @@ def run_forever(stack: Stack, poll_s: float = 1.0, supervisor: Supervisor | None
     """Block until Ctrl-C/SIGTERM; a child that dies is restarted with backoff (and a line saying so). Only a child
     that keeps dying soon after each start stops everything (exit 1, with its log tail). Always stops everything."""
     stopping = {"flag": False}
-    supervisor = supervisor or Supervisor(stack.children, say)
+    from onlinerl.loop.valkey_child import ValkeyChild
+
+    valkey = [ValkeyChild(stack.valkey)] if stack.valkey is not None else []  # first: everything else needs it
+    supervisor = supervisor or Supervisor([*valkey, *stack.children], say)
 
     def _term(*_: object) -> None:
         stopping["flag"] = True

@@ -7,54 +7,46 @@ import time
 import redis
 
 from onlinerl.arms import CANDIDATE, STABLE
+from onlinerl.dataplane import samples, stats, trainer, versions
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import ArmStats, DecisionRecord
 from onlinerl.rollout.store import RolloutStore
-from onlinerl.schemas import PolicyTable, PolicyVersionState
-
-
-def _decode(d: dict) -> dict[str, str]:
-    return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in d.items()
-    }
+from onlinerl.schemas import PolicyTable
 
 
 def collect(r: redis.Redis, job: str) -> dict:
     keys = Keys(job)
-    policy = PolicyTable.from_redis(r.hgetall(keys.policy))
-    versions = sorted((PolicyVersionState.from_json(v) for v in r.hvals(keys.versions)), key=lambda s: s.version)
     store = RolloutStore(r, keys)
-    stats = {}
-    for key in r.scan_iter(match=f"{keys.prefix}stats:v*", count=500):
-        k = key.decode()
-        version, arm = k.rsplit(":", 2)[-2:]
-        stats[(int(version[1:]), arm)] = {f: int(float(x)) for f, x in _decode(r.hgetall(key)).items()}
+    table = store.policy()
     return {
-        "policy": policy,
-        "versions": versions,
-        "stats": stats,
-        "backlog": r.xlen(keys.samples),
-        "trainer": _decode(r.hgetall(keys.trainer_status)),
-        "reloader": _decode(r.hgetall(keys.reloader_status)),
+        "policy": table,
+        "versions": sorted(versions.read(r, keys).states.values(), key=lambda s: s.version),
+        "stats": stats.read_all(r, keys),
+        "backlog": samples.length(r, keys),
+        "trainer": trainer.read_status(r, keys),
+        "reloader": versions.read_reloader_status(r, keys),
         "decisions": store.decisions(5),
-        "canary": _canary(store, policy),
+        "canary": _canary(store, table),
         "gate": _last(store, ("gate_pass", "gate_fail")),
         "verdict": _last(store, ("promote", "rollback", "gate_fail")),
     }
 
 
 def _canary(store: RolloutStore, policy: PolicyTable) -> dict | None:
-    """The running canary's live figures: candidate arm vs stable arm since the canary started (what it decides on)."""
+    """The running canary's live figures: candidate arm vs stable arm since the canary started (what it decides on).
+    A candidate with the whole traffic (blue/green's watch) is compared with stable's snapshot at the switch."""
     if policy.candidate is None:
         return None
     state = store.state(policy.candidate)
     baseline = ArmStats.from_mapping(state.baseline if state else None)
+    watch = policy.canary_share >= 1.0
     return {
         "version": policy.candidate,
         "stable_version": policy.stable,
         "state": state,
+        "watch": watch,
         "candidate": store.arm_stats(policy.candidate, CANDIDATE).summary(),
-        "stable": store.arm_stats(policy.stable, STABLE).minus(baseline).summary(),
+        "stable": (baseline if watch else store.arm_stats(policy.stable, STABLE).minus(baseline)).summary(),
     }
 
 
@@ -98,7 +90,15 @@ def render_rollout(s: dict) -> list[str]:
         breaches = (
             f", guardrail breached at {st.guardrail_breach_looks} look(s)" if st and st.guardrail_breach_looks else ""
         )
-        lines.append(f"canary: v{c['version']} vs stable v{c['stable_version']} ({look}{breaches}), since it started:")
+        if c.get("watch"):
+            lines.append(
+                f"blue/green watch: v{c['version']} serves everyone, vs stable v{c['stable_version']}'s snapshot at "
+                f"the switch ({look}{breaches}):"
+            )
+        else:
+            lines.append(
+                f"canary: v{c['version']} vs stable v{c['stable_version']} ({look}{breaches}), since it started:"
+            )
         lines.append(f"    {'':<23} {'candidate':>10} {'stable':>10}")
         lines.append(
             f"    {'shown / served':<23} {c['candidate']['shown']:>4}/{c['candidate']['served']:<5} "

@@ -29,6 +29,10 @@ KINDS: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
+    "JobSet": ("/apis/jobset.x-k8s.io/v1alpha2", "jobsets"),
     "OnlineRLJob": ("/apis/onlinerl.dev/v1alpha1", "onlinerljobs"),
     "Event": ("/api/v1", "events"),
 }

@@ -9,12 +9,13 @@ controller own the other fields, so the operator never rewrites them.
 from __future__ import annotations
 
 import base64
-import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from onlinerl.arms import LIVE_ARMS
+from onlinerl.dataplane import decisions, policy, stats
+from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl.schemas import PolicyTable
@@ -52,9 +53,9 @@ async def redis_url(kube: Kube, ctx: RenderContext) -> str:
     return base64.b64decode(secret["data"][key]).decode()
 
 
-def _int(raw: dict[bytes, bytes], field: str) -> int:
-    value = raw.get(field.encode())
-    return int(float(value)) if value not in (None, b"") else 0
+def _int(raw: dict[str, str], field: str) -> int:
+    value = raw.get(field)
+    return int(float(value)) if value else 0
 
 
 def _client(url: str, timeout: float) -> aioredis.Redis:
@@ -68,10 +69,7 @@ async def write_policy_field(url: str, job: str, name: str, value: str, timeout:
     keys = Keys(job)
     r = _client(url, timeout)
     try:
-        if ((await r.hget(keys.policy, name)) or b"").decode() == value:
-            return False
-        await r.hset(keys.policy, mapping={name: value, "updated_at": repr(time.time())})
-        return True
+        return await policy.set_field(r, keys, name, value)
     finally:
         await r.aclose()
 
@@ -82,27 +80,26 @@ async def read_view(url: str, job: str, timeout: float = 2.0, decisions_after: s
     r = _client(url, timeout)
     try:
         view = RedisView()
-        view.policy = PolicyTable.from_redis(await r.hgetall(keys.policy))
+        view.policy = await policy.read_async(r, keys)
         # Rollout decisions not yet reported (each becomes a Kubernetes Event); on first sight only the newest few.
         if decisions_after:
-            entries = await r.xrange(keys.decisions, min=f"({decisions_after}", count=MAX_DECISIONS_PER_PASS)
+            view.decisions = await decisions.after_async(r, keys, decisions_after, MAX_DECISIONS_PER_PASS)
         else:
-            entries = list(reversed(await r.xrevrange(keys.decisions, count=MAX_DECISIONS_PER_PASS)))
-        view.decisions = [(i.decode(), DecisionRecord.from_json(f[b"data"])) for i, f in entries if b"data" in f]
+            view.decisions = await decisions.latest_async(r, keys, MAX_DECISIONS_PER_PASS)
         stable = view.policy.stable
         shown = accepted = 0
         for arm in ARMS:
-            counters = await r.hgetall(keys.stats(stable, arm))
-            shown += _int(counters, "shown")
-            accepted += _int(counters, "accepted")
+            counters = await stats.read_async(r, keys, stable, arm)
+            shown += counters.shown
+            accepted += counters.accepted
         view.shown = shown
         view.accept_rate = round(accepted / shown, 4) if shown else None
-        trainer = await r.hgetall(keys.trainer_status)
+        trainer = await trainer_status.read_status_async(r, keys)
         if trainer:
             view.samples_trained = _int(trainer, "samples_trained")
             view.trainer_step = _int(trainer, "step")
-            last = trainer.get(b"last_checkpoint_at")
-            view.last_checkpoint_at = float(last) if last not in (None, b"") else None
+            last = trainer.get("last_checkpoint_at")
+            view.last_checkpoint_at = float(last) if last else None
         return view
     finally:
         await r.aclose()

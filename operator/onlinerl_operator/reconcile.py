@@ -31,7 +31,17 @@ from onlinerl_operator import constants as c
 from onlinerl_operator.kube import Kube, KubeError
 from onlinerl_operator.observe import manual_rollback, read_view, redis_url, write_policy_field
 from onlinerl_operator.redis_auth import ensure_redis_secret
-from onlinerl_operator.render import RenderContext, endpoints, render_all, trainer_job
+from onlinerl_operator.render import RenderContext, endpoints, render_all
+from onlinerl_operator.render_scaling import CUSTOM_METRICS_API, KEDA_API, scaling_problems, stale_scaling
+from onlinerl_operator.render_trainer import (
+    JOBSET_API,
+    REPLICATED_JOB,
+    rendezvous_service,
+    rendezvous_service_name,
+    trainer_problems,
+    trainer_workload,
+    world_size,
+)
 from onlinerl_operator.spec import SpecError, parse_spec
 from onlinerl_operator.status import (
     JobStatus,
@@ -50,6 +60,10 @@ MONITOR_KINDS = ("ServiceMonitor", "PodMonitor")
 # Children removed on deletion (owner references make the garbage collector do it too), found by label.
 CHILD_KINDS = (
     "Ingress",
+    "HorizontalPodAutoscaler",
+    "ScaledObject",
+    "PodDisruptionBudget",
+    "JobSet",
     "Job",
     "Deployment",
     "Service",
@@ -58,6 +72,11 @@ CHILD_KINDS = (
     "PersistentVolumeClaim",
     *MONITOR_KINDS,
 )
+# API group/versions some children depend on, looked up in discovery on every pass (render_scaling, render_trainer).
+OPTIONAL_APIS = (KEDA_API, JOBSET_API, CUSTOM_METRICS_API)
+TRAINER_KINDS = ("Job", "JobSet")
+# Kinds applied only where their API is served.
+GATED_KINDS = {"ScaledObject": KEDA_API, "JobSet": JOBSET_API}
 # What "the data plane cannot be reached" looks like: anything else is a bug and must surface as one.
 DATA_PLANE_ERRORS = (RedisError, OSError, LookupError)
 
@@ -137,11 +156,26 @@ def _job_condition(job: dict[str, Any], ctype: str) -> bool:
 
 
 async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: float) -> TrainerBook:
-    """Drive the trainer Job toward the spec: create, suspend/resume, replace on change, retry on failure."""
-    desired = trainer_job(ctx)
+    """Drive the trainer workload (Job, Indexed Job or JobSet) toward the spec: create, suspend/resume, replace on
+    change, retry on failure."""
+    desired = trainer_workload(ctx)
+    kind = desired["kind"]
     ns, name = ctx.namespace, desired["metadata"]["name"]
     t = ctx.cfg.trainer
-    job = await kube.get("Job", ns, name)
+    if kind not in TRAINER_KINDS or (kind in GATED_KINDS and GATED_KINDS[kind] not in ctx.apis):
+        book.state, book.message = "pending", f"trainer not created: {kind} is not served by this cluster"
+        return book
+    for other in TRAINER_KINDS:
+        # The spec moved between a Job and a JobSet: the old one goes first (two trainers must never publish at once).
+        if other == kind or (other in GATED_KINDS and GATED_KINDS[other] not in ctx.apis):
+            continue
+        previous = await kube.get(other, ns, name)
+        if previous is not None:
+            if not (previous.get("metadata") or {}).get("deletionTimestamp"):
+                await kube.delete(other, ns, name, propagation="Foreground")
+            book.state, book.message = "pending", f"waiting for the previous trainer {other} {name} to be gone"
+            return book
+    job = await kube.get(kind, ns, name)
     if job is not None and (job.get("metadata") or {}).get("deletionTimestamp"):
         # Deleted in the foreground: the Job stays until its pod is gone. Two trainers must never publish at once.
         book.state = "pending"
@@ -163,13 +197,13 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
     if annotations.get(c.ANNO_SPEC_HASH) != desired["metadata"]["annotations"][c.ANNO_SPEC_HASH]:
         # A Job's pod template is immutable: replace it. The new trainer resumes from the latest checkpoint, and is
         # created only once the old pod is gone (foreground deletion), so two trainers never publish at once.
-        await kube.delete("Job", ns, name, propagation="Foreground")
-        book.state, book.message = "pending", "trainer Job replaced for the new spec"
+        await kube.delete(kind, ns, name, propagation="Foreground")
+        book.state, book.message = "pending", f"trainer {kind} replaced for the new spec"
         return book
     if bool((job.get("spec") or {}).get("suspend")) != t.suspend:
-        await kube.patch("Job", ns, name, {"spec": {"suspend": t.suspend}})
+        await kube.patch(kind, ns, name, {"spec": {"suspend": t.suspend}})
         job.setdefault("spec", {})["suspend"] = t.suspend
-    if _job_condition(job, "Failed"):
+    if _job_condition(job, "Failed"):  # Job and JobSet alike
         if book.restarts >= t.max_restarts:
             book.state = "failed"
             book.message = (
@@ -177,7 +211,7 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
                 f"see `kubectl logs job/{name}`; any spec change retries"
             )
             return book
-        await kube.delete("Job", ns, name, propagation="Foreground")
+        await kube.delete(kind, ns, name, propagation="Foreground")
         delay = t.restart_backoff_seconds * (2**book.restarts)
         book.restarts += 1
         book.retry_after = now + delay
@@ -185,15 +219,28 @@ async def sync_trainer(kube: Kube, ctx: RenderContext, book: TrainerBook, now: f
         book.message = f"trainer Job failed; restart {book.restarts}/{t.max_restarts} in {delay:.0f}s"
         return book
     st = job.get("status") or {}
-    if _job_condition(job, "Complete"):
+    if _job_condition(job, "Complete") or _job_condition(job, "Completed"):  # Job / JobSet
         book.state, book.message = "completed", "trainer exited successfully; it stops learning until restarted"
     elif t.suspend:
         book.state, book.message = "suspended", "trainer suspended (spec.trainer.suspend); serving continues"
-    elif (st.get("ready") or st.get("active") or 0) > 0:
+    elif (st.get("ready") or st.get("active") or 0) > 0 or any(
+        (r.get("active") or r.get("ready") or 0) > 0 for r in st.get("replicatedJobsStatus") or []
+    ):
         book.state, book.message = "running", f"trainer Job {name} running"
     else:
         book.state, book.message = "pending", f"trainer Job {name} waiting for its pod"
     return book
+
+
+async def ready_nodes(kube: Kube, ctx: RenderContext) -> int:
+    """Trainer pods (nodes) ready now: the Job's ``status.ready``; a JobSet's from its one child Job."""
+    kind, name = trainer_workload(ctx)["kind"], ctx.child("trainer")
+    if kind == "JobSet":
+        if JOBSET_API not in ctx.apis:
+            return 0
+        name = f"{name}-{REPLICATED_JOB}-0"  # <jobset>-<replicatedJob>-<index>
+    job = await kube.get("Job", ctx.namespace, name)
+    return int(((job or {}).get("status") or {}).get("ready") or 0)
 
 
 async def deployment_ready(kube: Kube, ns: str, name: str) -> tuple[bool, str]:
@@ -284,6 +331,17 @@ class Reconciler:
         except (KubeError, OSError):
             return False
 
+    async def served_apis(self) -> frozenset[str]:
+        """Which of :data:`OPTIONAL_APIS` this cluster serves (discovery; a refused call counts as not served)."""
+        served = set()
+        for group_version in OPTIONAL_APIS:
+            try:
+                if await self.kube.api_served(f"/apis/{group_version}"):
+                    served.add(group_version)
+            except (KubeError, OSError):
+                pass
+        return frozenset(served)
+
     async def write_status(self, ns: str, name: str, status: dict[str, Any], old: dict[str, Any]) -> None:
         """Merge-patch the status subresource, but only when it changed: every write is a watch event for every
         client of this object (kopf included), so an unchanged status is not rewritten on each observe tick."""
@@ -301,7 +359,12 @@ class Reconciler:
             return None
         meta = body.get("metadata") or {}
         ctx = RenderContext(
-            name=name, namespace=ns, uid=meta.get("uid", ""), cfg=cfg, monitoring_api=await self.monitoring_api()
+            name=name,
+            namespace=ns,
+            uid=meta.get("uid", ""),
+            cfg=cfg,
+            monitoring_api=await self.monitoring_api(),
+            apis=await self.served_apis(),
         )
         return body, ctx
 
@@ -326,7 +389,12 @@ class Reconciler:
             await self.write_status(ns, name, status, old)
             return status
         ctx = RenderContext(
-            name=name, namespace=ns, uid=meta.get("uid", ""), cfg=cfg, monitoring_api=await self.monitoring_api()
+            name=name,
+            namespace=ns,
+            uid=meta.get("uid", ""),
+            cfg=cfg,
+            monitoring_api=await self.monitoring_api(),
+            apis=await self.served_apis(),
         )
         book = _book_from_status(old)
         if apply and generation is not None and old.get("observedGeneration") not in (None, generation):
@@ -356,13 +424,15 @@ class Reconciler:
         if not p.apply:
             return
         ctx = p.ctx
-        redis_problem = await ensure_redis_secret(self.kube, ctx)  # the password Secret, before the pods reading it
+        redis_problem = await ensure_redis_secret(self.kube, ctx)  # the users' Secret, before the pods reading it
         if redis_problem:
             p.obs.problems.append(redis_problem)
         for manifest in render_all(ctx):
             kind = manifest["kind"]
-            if kind == "Job" or (kind in MONITOR_KINDS and not ctx.monitoring_api):
+            if kind in TRAINER_KINDS or (kind in MONITOR_KINDS and not ctx.monitoring_api):
                 continue
+            if kind in GATED_KINDS and GATED_KINDS[kind] not in ctx.apis:
+                continue  # reported by scaling_problems
             verb = await self.kube.apply(manifest)
             log.debug("%s %s/%s", verb, kind, manifest["metadata"]["name"])
         # Children an earlier spec wanted and this one does not (only ones we own: never a user's claim).
@@ -376,10 +446,14 @@ class Reconciler:
                 ("StatefulSet", ctx.child("redis")),
                 ("Service", ctx.child("redis")),
                 ("NetworkPolicy", ctx.child("redis")),
+                ("ConfigMap", ctx.child("redis-acl")),
             ]
         if not ctx.cfg.ingress.enabled:
             stale.append(("Ingress", ctx.name))
-        if ctx.cfg.rollout.strategy != "canary":
+        stale += [k for k in stale_scaling(ctx) if k[0] not in GATED_KINDS or GATED_KINDS[k[0]] in ctx.apis]
+        if rendezvous_service(ctx) is None:  # one node, or a JobSet (which makes its own, owned by it)
+            stale.append(("Service", rendezvous_service_name(ctx)))
+        if not ctx.cfg.rollout.controlled:
             stale += [
                 ("Deployment", ctx.child("rollout")),
                 ("Service", ctx.child("rollout")),
@@ -387,6 +461,7 @@ class Reconciler:
             ]
         for kind, child in stale:
             await self.delete_owned(kind, ctx.namespace, child, ctx.uid)
+        p.obs.problems += scaling_problems(ctx) + trainer_problems(ctx)
         if ctx.cfg.monitoring.service_monitor == "on" and not ctx.monitoring_api:
             p.obs.problems.append(
                 "monitoring.serviceMonitor=on but monitoring.coreos.com/v1 is not served "
@@ -398,6 +473,9 @@ class Reconciler:
         p.obs.trainer_state, p.obs.trainer_message = p.book.state, p.book.message
         p.extra["trainerRestarts"] = p.book.restarts
         p.extra["trainerRetryAfter"] = iso_from_epoch(p.book.retry_after) if p.book.retry_after else None
+        p.extra["trainerNodes"] = p.ctx.cfg.trainer.nodes
+        p.extra["trainerRanks"] = world_size(p.ctx)
+        p.extra["trainerReadyNodes"] = await ready_nodes(self.kube, p.ctx)
 
     async def observe_components(self, p: Pass) -> None:
         ns = p.ctx.namespace
@@ -539,6 +617,9 @@ def carried_figures(old: dict[str, Any]) -> dict[str, Any]:
     keys = (
         "trainerRestarts",
         "trainerRetryAfter",
+        "trainerNodes",
+        "trainerRanks",
+        "trainerReadyNodes",
         "endpoints",
         "appliedRollbackTo",
         "lastDecisionId",

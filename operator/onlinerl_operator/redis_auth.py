@@ -1,50 +1,64 @@
-"""The in-cluster Redis password: created once per job in a Secret, read back by the operator for its own client.
+"""The in-cluster Redis users' passwords: a Secret created once per job, one key per ACL user.
 
-Rendering is pure (no randomness), so the generated password cannot come from :mod:`onlinerl_operator.render`: the
-reconciler calls :func:`ensure_redis_secret` before applying the children. It only ever *creates* the Secret; an
-existing one (a previous pass, or the user's ``redis.passwordSecret``) is left alone, so running pods keep working.
+Rendering is pure (no randomness), so generated passwords cannot come from :mod:`onlinerl_operator.render`: the
+reconciler calls :func:`ensure_redis_secret` before applying the children. The Secret is only ever *created*; an
+existing one (a previous pass, or the user's ``redis.passwordSecret``) is read, never written, so running pods keep
+their passwords and the operator needs no patch right on Secrets. The aclfile needs no Secret: Redis fills the
+password hashes into the rendered template itself at start (``onlinerl.dataplane.acl.startup_script``).
 """
 
 from __future__ import annotations
 
 import base64
-import secrets
 
+from onlinerl.dataplane import acl
+from onlinerl.dataplane.contract import Component
 from onlinerl_operator.kube import Kube
-from onlinerl_operator.render import REDIS_PASSWORD_KEY, RenderContext, redis_password_secret, redis_url_with_password
+from onlinerl_operator.render import RenderContext, redis_password_secret, redis_url_for
 
 
-def new_password() -> str:
-    """URL-safe (hex): it travels inside the pods' Redis URL unescaped."""
-    return secrets.token_hex(24)
+def secret_values(secret: dict | None) -> dict[str, str]:
+    """A Secret's values, decoded (``data``; ``stringData`` too: what an API emulator without conversion stores)."""
+    secret = secret or {}
+    out = dict(secret.get("stringData") or {})
+    out.update({k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()})
+    return out
+
+
+def missing_users(secret: dict | None) -> list[str]:
+    values = secret_values(secret)
+    return [u.value for u in acl.USERS if not values.get(u.value)]
 
 
 async def ensure_redis_secret(kube: Kube, ctx: RenderContext) -> str | None:
     """Create the generated password Secret if missing; returns a problem for the status, or None."""
     if not ctx.in_cluster_redis:
         return None
-    if ctx.cfg.redis.password_secret:
-        found = await kube.get("Secret", ctx.namespace, ctx.cfg.redis.password_secret)
-        if found is None or REDIS_PASSWORD_KEY not in (found.get("data") or {}):
-            return (
-                f"redis.passwordSecret {ctx.cfg.redis.password_secret!r} not found or without key "
-                f"{REDIS_PASSWORD_KEY!r}: create it (kubectl create secret generic "
-                f"{ctx.cfg.redis.password_secret} --from-literal={REDIS_PASSWORD_KEY}=<url-safe password>)"
-            )
+    name = ctx.redis_password_secret
+    found = await kube.get("Secret", ctx.namespace, name)
+    if found is None and not ctx.cfg.redis.password_secret:
+        manifest = redis_password_secret(ctx, acl.new_passwords())
+        if await kube.create(manifest) is not None:  # None on 409: it exists, and keeps its passwords
+            return None
+        found = await kube.get("Secret", ctx.namespace, name)
+    missing = missing_users(found)
+    if not missing:
         return None
-    manifest = redis_password_secret(ctx, new_password())
-    if manifest is not None:
-        await kube.create(manifest)  # None on 409: it exists, and keeps its password
-    return None
+    literals = " ".join(f"--from-literal={u}=<url-safe password>" for u in missing)
+    if ctx.cfg.redis.password_secret:
+        return (
+            f"redis.passwordSecret {name!r} not found or without key(s) {', '.join(missing)} (one password per Redis "
+            f"user): create it (kubectl create secret generic {name} {literals})"
+        )
+    return (  # a generated Secret from an older contract: the operator never rewrites a Secret
+        f"Secret {name} has no password for Redis user(s) {', '.join(missing)}: delete it to have every password "
+        f"generated again (then restart the job's pods), or add the key(s) ({literals})"
+    )
 
 
-async def in_cluster_redis_url(kube: Kube, ctx: RenderContext) -> str:
-    """The URL (with password) the operator itself uses for the job's in-cluster Redis."""
-    secret = await kube.get("Secret", ctx.namespace, ctx.redis_password_secret)
-    data = (secret or {}).get("data") or {}
-    if REDIS_PASSWORD_KEY in data:
-        return redis_url_with_password(ctx, base64.b64decode(data[REDIS_PASSWORD_KEY]).decode())
-    plain = (secret or {}).get("stringData") or {}  # what an API emulator without conversion stores
-    if REDIS_PASSWORD_KEY in plain:
-        return redis_url_with_password(ctx, plain[REDIS_PASSWORD_KEY])
-    raise LookupError(f"Secret {ctx.redis_password_secret} with key {REDIS_PASSWORD_KEY!r} (Redis password) not found")
+async def in_cluster_redis_url(kube: Kube, ctx: RenderContext, user: Component = Component.OPERATOR) -> str:
+    """The URL (user ``operator`` by default, with its password) the operator itself uses for the job's Redis."""
+    values = secret_values(await kube.get("Secret", ctx.namespace, ctx.redis_password_secret))
+    if not values.get(user.value):
+        raise LookupError(f"Secret {ctx.redis_password_secret} with key {user.value!r} (Redis password) not found")
+    return redis_url_for(ctx, user, values[user.value])

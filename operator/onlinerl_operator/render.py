@@ -5,26 +5,35 @@ Ports, paths and entry points follow docs/architecture.md; each pod reads the co
 ``$ONLINERL_CONFIG``. vLLM binds 127.0.0.1:8001 inside the serving pod: only the gateway port leaves the pod, and a
 NetworkPolicy per component admits only its declared ports (Redis: only this job's pods and the operator).
 
-The in-cluster Redis requires a password from a Secret (``redis.passwordSecret``, or ``<job>-redis-auth`` that the
-reconciler creates once with a generated password: rendering stays pure, so the password is never rendered here).
-Pods get it as ``$ONLINERL_REDIS_PASSWORD`` and their Redis URL as ``redis://:$(ONLINERL_REDIS_PASSWORD)@...``.
+The in-cluster Redis has one ACL user per component (onlinerl.dataplane.acl, generated from the data-plane contract;
+``default`` off). Their passwords live in a Secret (``redis.passwordSecret``, or ``<job>-redis-users`` that the
+reconciler creates once: rendering stays pure, so no password is rendered here), one key per user. Redis starts through
+``acl.startup_script`` from the ConfigMap ``<job>-redis-acl`` (the aclfile template), which fills in each password's
+hash from its env. Each pod gets its own user's password as ``$ONLINERL_REDIS_PASSWORD`` and its Redis URL as
+``redis://<component>:$(ONLINERL_REDIS_PASSWORD)@...``.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from onlinerl.config import OnlineRLConfig, ResourcesConfig
+from onlinerl.dataplane import acl
+from onlinerl.dataplane.contract import Component
 from onlinerl.model import SMOLLM2_GGUF_SHA256
 from onlinerl_operator import constants as c
 
 Manifest = dict[str, Any]
-REDIS_PASSWORD_KEY = "password"
 REDIS_PASSWORD_ENV = "ONLINERL_REDIS_PASSWORD"
+REDIS_ACL_DIR = "/etc/redis-acl"  # the <job>-redis-acl ConfigMap: users.acl.tpl and start.sh
+REDIS_RUN_DIR = "/run/redis-acl"  # in-memory emptyDir: the filled-in aclfile
+REDIS_PROBE_USER = Component.OPERATOR  # the redis pod's probes authenticate as this user (PING only)
+REDIS_ACL_ANNOTATION = "onlinerl.dev/redis-acl-rules"  # digest of template and script: a new contract restarts Redis
 # Pods allowed to reach a job's Redis: its own components (the operator too, see redis_network_policy).
 REDIS_CLIENTS = ("serving", "feedback", "trainer", "rollout")
 
@@ -36,6 +45,9 @@ class RenderContext:
     uid: str
     cfg: OnlineRLConfig
     monitoring_api: bool = False  # monitoring.coreos.com/v1 is served by this cluster
+    # Optional API group/versions this cluster serves (keda.sh/v1alpha1, jobset.x-k8s.io/v1alpha2,
+    # custom.metrics.k8s.io/v1beta1): render_scaling and render_trainer choose their objects by them.
+    apis: frozenset[str] = frozenset()
 
     # --- names ------------------------------------------------------------------------------------------------
     def child(self, suffix: str) -> str:
@@ -47,8 +59,14 @@ class RenderContext:
 
     @property
     def redis_password_secret(self) -> str:
-        """The Secret (key :data:`REDIS_PASSWORD_KEY`) with the in-cluster Redis password."""
-        return self.cfg.redis.password_secret or self.child("redis-auth")
+        """The Secret with the in-cluster Redis users' passwords: one key per user (``serving``, ``feedback``...).
+        Not ``<job>-redis-auth``: that one held a single shared password (before ACL users) and is left alone."""
+        return self.cfg.redis.password_secret or self.child("redis-users")
+
+    @property
+    def redis_acl_config(self) -> str:
+        """The ConfigMap with the in-cluster Redis's aclfile template and start script (no password, no hash)."""
+        return self.child("redis-acl")
 
     @property
     def redis_url(self) -> str:
@@ -138,6 +156,7 @@ def _hash_without_runtime_fields(ctx: RenderContext) -> str:
     data = component_config(ctx)
     data["trainer"] = {**data["trainer"], "suspend": False}
     data["rollout"] = {**data["rollout"], "pinnedVersion": None, "paused": False, "rollbackTo": None}
+    data.pop("scaling", None)  # autoscalers, budgets, spread: Kubernetes objects only, no component reads them
     return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -181,7 +200,8 @@ def http_probe(path: str, port: int | str, period: int = 10, failures: int = 3, 
     return probe
 
 
-def onlinerl_env(ctx: RenderContext) -> list[dict[str, Any]]:
+def onlinerl_env(ctx: RenderContext, component: str) -> list[dict[str, Any]]:
+    """Config path and Redis URL of ``component``'s containers (in-cluster Redis: its own ACL user)."""
     env: list[dict[str, Any]] = [
         {"name": "ONLINERL_CONFIG", "value": f"{c.CONFIG_DIR}/{c.CONFIG_FILE}"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -196,20 +216,21 @@ def onlinerl_env(ctx: RenderContext) -> list[dict[str, Any]]:
             }
         )
     elif ctx.in_cluster_redis:
+        user = Component(component)
         env += [
             {
                 "name": REDIS_PASSWORD_ENV,
-                "valueFrom": {"secretKeyRef": {"name": ctx.redis_password_secret, "key": REDIS_PASSWORD_KEY}},
+                "valueFrom": {"secretKeyRef": {"name": ctx.redis_password_secret, "key": user.value}},
             },
             # Kubernetes expands $(VAR) from the variable above: the password never sits in the ConfigMap.
-            {"name": "ONLINERL__REDIS__URL", "value": redis_url_with_password(ctx, f"$({REDIS_PASSWORD_ENV})")},
+            {"name": "ONLINERL__REDIS__URL", "value": redis_url_for(ctx, user, f"$({REDIS_PASSWORD_ENV})")},
         ]
     return env
 
 
-def redis_url_with_password(ctx: RenderContext, password: str) -> str:
-    """The in-cluster Redis URL carrying ``password`` (URL-safe characters: it is not escaped)."""
-    return f"redis://:{password}@{ctx.child('redis')}.{ctx.namespace}.svc:{c.REDIS_PORT}/0"
+def redis_url_for(ctx: RenderContext, user: Component | str, password: str) -> str:
+    """The in-cluster Redis URL of ACL ``user`` with ``password`` (URL-safe characters: it is not escaped)."""
+    return f"redis://{Component(user).value}:{password}@{ctx.child('redis')}.{ctx.namespace}.svc:{c.REDIS_PORT}/0"
 
 
 HARDENED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -357,7 +378,7 @@ def gateway_container(ctx: RenderContext) -> dict[str, Any]:
         "imagePullPolicy": ctx.cfg.images.pull_policy,
         "command": ["python", "-m", "onlinerl_serving.gateway"],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": onlinerl_env(ctx),
+        "env": onlinerl_env(ctx, "serving"),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}},
         "volumeMounts": _config_mounts(ctx),
         "readinessProbe": http_probe("/readyz", "http", period=5),
@@ -373,7 +394,7 @@ def reloader_container(ctx: RenderContext) -> dict[str, Any]:
         "imagePullPolicy": ctx.cfg.images.pull_policy,
         "command": ["python", "-m", "onlinerl_serving.reloader"],
         "ports": [{"name": "reloader", "containerPort": c.RELOADER_PORT, "protocol": "TCP"}],
-        "env": onlinerl_env(ctx),
+        "env": onlinerl_env(ctx, "serving"),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
         "volumeMounts": [
             *_config_mounts(ctx),
@@ -466,7 +487,7 @@ def feedback_deployment(ctx: RenderContext) -> Manifest:
         "imagePullPolicy": cfg.images.pull_policy,
         "command": ["python", "-m", "onlinerl_feedback"],
         "ports": [{"name": "http", "containerPort": cfg.feedback.port, "protocol": "TCP"}],
-        "env": onlinerl_env(ctx),
+        "env": onlinerl_env(ctx, "feedback"),
         "resources": resources(
             cfg.feedback.resources, 0, None if cfg.feedback.resources.requests else {"cpu": "250m", "memory": "256Mi"}
         ),
@@ -504,13 +525,13 @@ def feedback_service(ctx: RenderContext) -> Manifest:
 
 # --- rollout controller (strategy canary) ------------------------------------------------------------------------
 def rollout_deployment(ctx: RenderContext) -> Manifest | None:
-    """The eval gate and canary controller: one replica, only with ``rollout.strategy: canary``.
+    """The eval gate and canary / blue-green controller: one replica, unless ``rollout.strategy: direct``.
 
     An init container builds the held-out FIM split the gate evaluates on (the standard library of the image), and
     the gate reaches the serving Service with the job's own API key, like any client.
     """
     cfg = ctx.cfg
-    if cfg.rollout.strategy != "canary":
+    if not cfg.rollout.controlled:
         return None
     image = {"image": cfg.images.rollout, "imagePullPolicy": cfg.images.pull_policy, "securityContext": HARDENED}
     data_mount = {"name": "eval-data", "mountPath": c.EVAL_DATA_DIR}
@@ -521,7 +542,7 @@ def rollout_deployment(ctx: RenderContext) -> Manifest | None:
         "volumeMounts": [data_mount],
     }
     env = [
-        *onlinerl_env(ctx),
+        *onlinerl_env(ctx, "rollout"),
         {"name": "ONLINERL_ROLLOUT_PORT", "value": str(c.ROLLOUT_PORT)},
         {"name": "ONLINERL_ROLLOUT_EVALUATOR", "value": c.GATE_EVALUATOR},
         {"name": "ONLINERL_EVAL_DATA", "value": f"{c.EVAL_DATA_DIR}/test.jsonl"},
@@ -559,7 +580,7 @@ def rollout_deployment(ctx: RenderContext) -> Manifest | None:
 
 def rollout_service(ctx: RenderContext) -> Manifest | None:
     """Metrics of the controller, picked up by the job's ServiceMonitor (port ``metrics``)."""
-    return service(ctx, "rollout", "metrics", c.ROLLOUT_PORT) if ctx.cfg.rollout.strategy == "canary" else None
+    return service(ctx, "rollout", "metrics", c.ROLLOUT_PORT) if ctx.cfg.rollout.controlled else None
 
 
 # --- trainer --------------------------------------------------------------------------------------------------
@@ -585,7 +606,7 @@ def trainer_job(ctx: RenderContext) -> Manifest:
         "imagePullPolicy": cfg.images.pull_policy,
         "command": trainer_command(ctx),
         "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
-        "env": onlinerl_env(ctx),
+        "env": onlinerl_env(ctx, "trainer"),
         "resources": resources(
             cfg.trainer.resources,
             cfg.trainer.gpus,
@@ -750,28 +771,39 @@ def redis_maxmemory(ctx: RenderContext) -> int:
 
 
 def redis_statefulset(ctx: RenderContext) -> Manifest:
-    """In-cluster Redis with the durability docs/architecture.md requires (AOF, fsync always, noeviction), a
-    password from the job's Secret and a ``maxmemory`` sized from its resources and volume."""
+    """In-cluster Redis with the durability docs/architecture.md requires (AOF, fsync always, noeviction), one ACL
+    user per component from the job's aclfile Secret (``default`` off) and a ``maxmemory`` sized from its resources
+    and volume. The pod template carries the rules' digest: a new contract restarts Redis with the new aclfile."""
     cfg = ctx.cfg
-    server = (
-        "exec $(command -v valkey-server || command -v redis-server) --port 6379 --dir /data "
-        "--appendonly yes --appendfsync always --maxmemory-policy noeviction "
-        f'--maxmemory {redis_maxmemory(ctx)} --requirepass "$REDIS_PASSWORD"'
-    )
-    # REDISCLI_AUTH: the CLI authenticates without the password on its command line.
-    ping = ["sh", "-c", "$(command -v valkey-cli || command -v redis-cli) ping | grep -q PONG"]
-    secret = {"secretKeyRef": {"name": ctx.redis_password_secret, "key": REDIS_PASSWORD_KEY}}
+    server = [
+        *("--port", "6379", "--dir", "/data", "--appendonly", "yes", "--appendfsync", "always"),
+        *("--maxmemory-policy", "noeviction", "--maxmemory", str(redis_maxmemory(ctx))),
+    ]
+    # REDISCLI_AUTH: the CLI authenticates (as the probe user, allowed PING) without the password on its command line.
+    cli = "$(command -v valkey-cli || command -v redis-cli)"
+    ping = ["sh", "-c", f"{cli} --user {REDIS_PROBE_USER.value} ping | grep -q PONG"]
+
+    def password(user: Component) -> dict[str, Any]:
+        return {"secretKeyRef": {"name": ctx.redis_password_secret, "key": user.value}}
+
     container = {
         "name": "redis",
         "image": cfg.images.redis,
         "imagePullPolicy": cfg.images.pull_policy,
-        "command": ["sh", "-c", server],
-        "env": [{"name": "REDIS_PASSWORD", "valueFrom": secret}, {"name": "REDISCLI_AUTH", "valueFrom": secret}],
+        "command": ["sh", f"{REDIS_ACL_DIR}/start.sh", *server],
+        "env": [
+            *({"name": f"{acl.PASSWORD_ENV_PREFIX}{u.value}", "valueFrom": password(u)} for u in acl.USERS),
+            {"name": "REDISCLI_AUTH", "valueFrom": password(REDIS_PROBE_USER)},
+        ],
         "ports": [{"name": "redis", "containerPort": c.REDIS_PORT, "protocol": "TCP"}],
         "resources": resources(
             cfg.redis.resources, 0, None if cfg.redis.resources.requests else {"cpu": "250m", "memory": "1Gi"}
         ),
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/data"},
+            {"name": "acl", "mountPath": REDIS_ACL_DIR, "readOnly": True},
+            {"name": "acl-run", "mountPath": REDIS_RUN_DIR},
+        ],
         "readinessProbe": {"exec": {"command": ping}, "periodSeconds": 5, "timeoutSeconds": 3},
         "livenessProbe": {"exec": {"command": ping}, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
         "securityContext": HARDENED,
@@ -791,8 +823,18 @@ def redis_statefulset(ctx: RenderContext) -> Manifest:
             "replicas": 1,
             "selector": {"matchLabels": selector(ctx, "redis")},
             "template": {
-                "metadata": {"labels": labels(ctx, "redis")},
-                "spec": {"containers": [container], "terminationGracePeriodSeconds": 30},
+                "metadata": {
+                    "labels": labels(ctx, "redis"),
+                    "annotations": {REDIS_ACL_ANNOTATION: acl.startup_digest(ctx.name)},
+                },
+                "spec": {
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "acl", "configMap": {"name": ctx.redis_acl_config, "defaultMode": 0o444}},
+                        {"name": "acl-run", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+                    ],
+                    "terminationGracePeriodSeconds": 30,
+                },
             },
             "volumeClaimTemplates": [claim],
         },
@@ -812,9 +854,10 @@ def redis_service(ctx: RenderContext) -> Manifest:
     }
 
 
-def redis_password_secret(ctx: RenderContext, password: str) -> Manifest | None:
-    """The job's generated Redis password Secret (None when the user names one, or Redis is not in-cluster). The
-    reconciler creates it once (never applies it again: that would change the password under running pods)."""
+def redis_password_secret(ctx: RenderContext, passwords: Mapping[Component, str]) -> Manifest | None:
+    """The job's generated Redis users' password Secret, one key per user (None when the user names one, or Redis is
+    not in-cluster). The reconciler creates it once and only ever adds missing users (never applies it again: that
+    would change passwords under running pods)."""
     if not ctx.in_cluster_redis or ctx.cfg.redis.password_secret:
         return None
     return {
@@ -822,7 +865,18 @@ def redis_password_secret(ctx: RenderContext, password: str) -> Manifest | None:
         "kind": "Secret",
         "metadata": metadata(ctx, ctx.redis_password_secret, "redis"),
         "type": "Opaque",
-        "stringData": {REDIS_PASSWORD_KEY: password},
+        "stringData": {u.value: passwords[u] for u in acl.USERS},
+    }
+
+
+def redis_acl_config(ctx: RenderContext) -> Manifest:
+    """The in-cluster Redis's aclfile template (the job's users, generated from the data-plane contract, with a
+    placeholder for each password hash) and the script that fills it in from the env and starts the server."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(ctx, ctx.redis_acl_config, "redis"),
+        "data": {"users.acl.tpl": acl.aclfile_template(ctx.name), "start.sh": acl.startup_script()},
     }
 
 
@@ -852,7 +906,7 @@ def network_policies(ctx: RenderContext) -> list[Manifest]:
         network_policy(ctx, "feedback", [cfg.feedback.port], None),
         network_policy(ctx, "trainer", [cfg.trainer.metrics_port], None),
     ]
-    if cfg.rollout.strategy == "canary":
+    if cfg.rollout.controlled:
         out.append(network_policy(ctx, "rollout", [c.ROLLOUT_PORT], None))
     if ctx.in_cluster_redis:
         ours = {
@@ -872,21 +926,31 @@ def network_policies(ctx: RenderContext) -> list[Manifest]:
 
 
 def render_all(ctx: RenderContext) -> list[Manifest]:
-    """Every child in apply order (config and storage before the pods that mount them). The trainer Job included."""
+    """Every child in apply order (config and storage before the pods that mount them). The trainer workload (Job,
+    Indexed Job or JobSet: render_trainer) included; autoscalers and disruption budgets: render_scaling."""
+    from onlinerl_operator import render_scaling as scaling  # they build on this module's helpers
+    from onlinerl_operator import render_trainer as trainer
+
     out: list[Manifest | None] = [config_map(ctx), checkpoint_pvc(ctx)]
     if ctx.in_cluster_redis:
-        out += [redis_service(ctx), redis_statefulset(ctx)]
+        out += [redis_acl_config(ctx), redis_service(ctx), redis_statefulset(ctx)]
+    policies = [
+        trainer.shape_trainer_policy(ctx, p) if p["metadata"]["name"] == ctx.child("trainer") else p
+        for p in network_policies(ctx)
+    ]
     out += [
-        serving_deployment(ctx),
+        scaling.shape_deployment(ctx, "serving", serving_deployment(ctx)),
         serving_service(ctx),
-        feedback_deployment(ctx),
+        scaling.shape_deployment(ctx, "feedback", feedback_deployment(ctx)),
         feedback_service(ctx),
-        trainer_service(ctx),
-        trainer_job(ctx),
+        trainer.metrics_service(ctx),
+        trainer.rendezvous_service(ctx),
+        trainer.trainer_workload(ctx),
         rollout_deployment(ctx),
         rollout_service(ctx),
         ingress(ctx),
-        *network_policies(ctx),
+        *policies,
+        *scaling.scaling_manifests(ctx),
     ]
     if ctx.monitors_enabled:
         out += [service_monitor(ctx), pod_monitor(ctx)]

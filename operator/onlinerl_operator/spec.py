@@ -36,6 +36,11 @@ def semantic_problems(cfg: OnlineRLConfig) -> list[str]:
         )
     if t.engine == "torch" and t.gpus > 1:
         problems.append(f"trainer.engine=torch runs one process; trainer.gpus={t.gpus} needs engine deepspeed or auto")
+    if t.nodes > 1 and (t.engine == "torch" or (t.engine == "auto" and t.gpus == 0)):
+        problems.append(
+            f"trainer.nodes={t.nodes} runs several ranks: set trainer.engine: deepspeed (auto picks plain torch "
+            "on CPU nodes, which runs one process)"
+        )
     if cfg.model.fim_template != "auto":
         try:
             get_template(cfg.model.fim_template)

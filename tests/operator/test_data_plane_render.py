@@ -1,4 +1,5 @@
-"""The rendered data plane trusts nobody by default: the in-cluster Redis needs a password from a Secret, has a
+"""The rendered data plane trusts nobody by default: the in-cluster Redis has one ACL user per component (passwords in a
+Secret, the aclfile generated from the data-plane contract), has a
 ``maxmemory`` sized from its resources and volume, and NetworkPolicies admit only our pods to Redis and only the
 declared ports (never vLLM's) to every pod. Every NetworkPolicy and the Secret validate (kubernetes-validate)."""
 
@@ -10,11 +11,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from onlinerl.dataplane import acl
+from onlinerl.dataplane.contract import Component
 from onlinerl_operator import constants as c
 from onlinerl_operator.render import (
+    REDIS_ACL_ANNOTATION,
     REDIS_PASSWORD_ENV,
     RenderContext,
     quantity_bytes,
+    redis_acl_config,
     redis_maxmemory,
     redis_password_secret,
     render_all,
@@ -23,6 +28,7 @@ from onlinerl_operator.spec import parse_spec
 from tests.operator.test_render import SPECS, UID, by_kind, ctx_for
 
 K8S = ("1.29", "1.33")
+PASSWORDS = {u: f"{i:x}" * 48 for i, u in enumerate(Component, start=10)}  # a..f: one distinct password per user
 
 
 def ctx_with(spec: dict[str, Any]) -> RenderContext:
@@ -63,7 +69,7 @@ def admits(policy: dict[str, Any], labels: dict[str, str], port: int, same_names
 def test_every_network_policy_and_the_secret_validate(name: str) -> None:
     ctx = ctx_for(name)
     docs = list(policies(ctx).values())
-    secret = redis_password_secret(ctx, "0" * 48)
+    secret = redis_password_secret(ctx, PASSWORDS)
     docs += [secret] if secret else []
     assert policies(ctx), name
     for doc in docs:
@@ -71,39 +77,57 @@ def test_every_network_policy_and_the_secret_validate(name: str) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_redis_requires_the_password_from_the_jobs_secret() -> None:
+def test_redis_starts_with_the_jobs_users_and_probes_as_one() -> None:
+    """Redis starts through the generated script with the job's aclfile template (from the contract) and every user's
+    password from the Secret in its env; no password and no hash is ever rendered."""
     ctx = ctx_for("demo", monitoring_api=False)
     objs = by_kind(render_all(ctx))
-    redis = objs[("StatefulSet", "demo-redis")]["spec"]["template"]["spec"]["containers"][0]
-    command = redis["command"][2]
-    assert '--requirepass "$REDIS_PASSWORD"' in command and "--protected-mode no" not in command
-    secret_ref = {"secretKeyRef": {"name": "demo-redis-auth", "key": "password"}}
-    assert {e["name"]: e["valueFrom"] for e in redis["env"]} == {
-        "REDIS_PASSWORD": secret_ref,
-        "REDISCLI_AUTH": secret_ref,
+    template = objs[("StatefulSet", "demo-redis")]["spec"]["template"]
+    redis = template["spec"]["containers"][0]
+    assert redis["command"][:2] == ["sh", "/etc/redis-acl/start.sh"]
+    args = " ".join(redis["command"][2:])
+    assert "--appendfsync always" in args and "--maxmemory-policy noeviction" in args
+    assert "--requirepass" not in args and "--protected-mode" not in args
+    config = objs[("ConfigMap", "demo-redis-acl")]["data"]
+    assert config == {"users.acl.tpl": acl.aclfile_template("demo"), "start.sh": acl.startup_script()}
+    assert "orl:\\{demo\\}:samples" in config["users.acl.tpl"]  # this job's keys only
+    assert {"name": "acl", "mountPath": "/etc/redis-acl", "readOnly": True} in redis["volumeMounts"]
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["acl"]["configMap"]["name"] == "demo-redis-acl"
+    assert volumes["acl-run"]["emptyDir"]["medium"] == "Memory"  # the filled-in aclfile never reaches a disk
+    assert template["metadata"]["annotations"][REDIS_ACL_ANNOTATION] == acl.startup_digest("demo")
+    assert "--user operator ping" in redis["readinessProbe"]["exec"]["command"][2]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
+    assert env == {
+        **{f"ORL_REDIS_PW_{u.value}": {"name": "demo-redis-users", "key": u.value} for u in Component},
+        "REDISCLI_AUTH": {"name": "demo-redis-users", "key": "operator"},
     }
-    secret = redis_password_secret(ctx, "f" * 48)
-    assert secret["metadata"]["name"] == "demo-redis-auth" and secret["stringData"] == {"password": "f" * 48}
+    secret = redis_password_secret(ctx, PASSWORDS)
+    assert secret["metadata"]["name"] == "demo-redis-users"
+    assert secret["stringData"] == {u.value: PASSWORDS[u] for u in Component}
     assert secret["metadata"]["ownerReferences"][0]["uid"] == UID  # deleted with the job
-    assert "f" * 48 not in yaml.safe_dump(render_all(ctx))  # the password is never rendered into a child
+    rendered = yaml.safe_dump(render_all(ctx))
+    assert not any(p in rendered for p in PASSWORDS.values())  # no password is ever rendered into a child
+    assert not any(acl.password_hash(p) in rendered for p in PASSWORDS.values())
+    assert redis_acl_config(ctx_for("demo", monitoring_api=False)) == objs[("ConfigMap", "demo-redis-acl")]
 
 
 def test_every_component_gets_the_password_through_its_env_never_the_config_map() -> None:
     ctx = ctx_for("demo", monitoring_api=False)
     objs = by_kind(render_all(ctx))
-    pods = {
-        "gateway": objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][1],
-        "reloader": objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][2],
-        "feedback": objs[("Deployment", "demo-feedback")]["spec"]["template"]["spec"]["containers"][0],
-        "trainer": objs[("Job", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0],
+    pods = {  # container -> its Redis user
+        ("gateway", "serving"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][1],
+        ("reloader", "serving"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][2],
+        ("feedback", "feedback"): objs[("Deployment", "demo-feedback")]["spec"]["template"]["spec"]["containers"][0],
+        ("trainer", "trainer"): objs[("Job", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0],
     }
-    for name, container in pods.items():
+    for (name, user), container in pods.items():
         env = [e["name"] for e in container["env"]]
         assert env.index(REDIS_PASSWORD_ENV) < env.index("ONLINERL__REDIS__URL"), name  # $(VAR) needs it first
         by_name = {e["name"]: e for e in container["env"]}
-        assert by_name[REDIS_PASSWORD_ENV]["valueFrom"]["secretKeyRef"]["name"] == "demo-redis-auth"
+        assert by_name[REDIS_PASSWORD_ENV]["valueFrom"]["secretKeyRef"] == {"name": "demo-redis-users", "key": user}
         assert by_name["ONLINERL__REDIS__URL"]["value"] == (
-            f"redis://:$({REDIS_PASSWORD_ENV})@demo-redis.team-a.svc:6379/0"
+            f"redis://{user}:$({REDIS_PASSWORD_ENV})@demo-redis.team-a.svc:6379/0"
         )
     config = yaml.safe_load(objs[("ConfigMap", "demo-config")]["data"][c.CONFIG_FILE])
     assert config["redis"]["url"] == "redis://demo-redis.team-a.svc:6379/0"  # no password in the ConfigMap
@@ -111,14 +135,15 @@ def test_every_component_gets_the_password_through_its_env_never_the_config_map(
 
 def test_a_user_provided_password_secret_is_used_and_none_is_generated() -> None:
     ctx = ctx_with({"auth": {"allowAnonymous": True}, "redis": {"passwordSecret": "my-redis"}})
-    assert redis_password_secret(ctx, "x" * 48) is None
+    assert redis_password_secret(ctx, PASSWORDS) is None
     redis = by_kind(render_all(ctx))[("StatefulSet", "demo-redis")]["spec"]["template"]["spec"]["containers"][0]
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]} == {"my-redis"}
 
 
 def test_an_external_redis_gets_no_password_env_and_no_redis_policy() -> None:
     ctx = ctx_for("anon-inline-redis")
-    assert "demo-redis" not in policies(ctx) and redis_password_secret(ctx, "x" * 48) is None
+    assert "demo-redis" not in policies(ctx) and redis_password_secret(ctx, PASSWORDS) is None
+    assert ("ConfigMap", "anon-inline-redis-redis-acl") not in by_kind(render_all(ctx))
     gateway = by_kind(render_all(ctx))[("Deployment", "anon-inline-redis-serving")]["spec"]["template"]["spec"]
     assert REDIS_PASSWORD_ENV not in {e["name"] for ct in gateway["containers"] for e in ct.get("env", [])}
 
@@ -136,9 +161,8 @@ def test_maxmemory_is_sized_from_resources_and_volume(resources: dict, storage: 
     ctx = ctx_with({"auth": {"allowAnonymous": True}, "redis": {"resources": resources, "storageSize": storage}})
     assert redis_maxmemory(ctx) == expected
     command = by_kind(render_all(ctx))[("StatefulSet", "demo-redis")]["spec"]["template"]["spec"]["containers"][0]
-    assert (
-        f"--maxmemory {expected} " in command["command"][2] and "--maxmemory-policy noeviction" in command["command"][2]
-    )
+    args = " ".join(command["command"][2:]) + " "
+    assert f"--maxmemory {expected} " in args and "--maxmemory-policy noeviction" in args
 
 
 def test_quantities() -> None:

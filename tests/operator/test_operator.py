@@ -15,7 +15,7 @@ from onlinerl_operator import constants as c
 from tests.operator.conftest import Cluster, wait_until
 from tests.operator.helpers import status_jsonschema, strip_none
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 CHILDREN = [
     ("ConfigMap", "config"),
@@ -232,10 +232,10 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
         # The spec field changes: applied again.
         await cluster.patch_spec("demo", {"rollout": {"pinnedVersion": 1}})
         # kmock re-delivers the object until kopf's progress annotations settle: the field handler may take a while.
-        await wait_until(lambda: r.hget(keys.policy, "pinned") == b"1", what="pin v1 from the spec", timeout=30)
+        await wait_until(lambda: r.hget(keys.policy, "pinned") == b"1", what="pin v1 from the spec", timeout=90)
         # Unpin (kubectl patch with null removes the field).
         await cluster.patch_spec("demo", {"rollout": {"pinnedVersion": None}})
-        await wait_until(lambda: r.hget(keys.policy, "pinned") == b"", what="pin cleared", timeout=30)
+        await wait_until(lambda: r.hget(keys.policy, "pinned") == b"", what="pin cleared", timeout=90)
         await wait_until(lambda: "pinnedVersion" not in cluster.status("demo"), what="status unpinned", timeout=30)
         assert r.hget(keys.policy, "stable") == b"2"
         assert_statuses_valid(cluster)

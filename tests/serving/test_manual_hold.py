@@ -142,18 +142,18 @@ def test_only_loopback_may_drive_the_gate() -> None:
 
 
 # --- config: a weights mode that cannot serve two versions at once refuses a canary -------------------------------
-def test_full_weights_refuse_an_explicit_canary_and_default_to_direct() -> None:
+def test_full_weights_refuse_an_explicit_canary_and_default_to_bluegreen() -> None:
     from onlinerl.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
         from_mapping({"serving": {"weightsMode": "full"}, "rollout": {"strategy": "canary"}})
     message = str(err.value)
     assert "rollout.strategy: canary" in message and "serving.weightsMode: full" in message
-    assert "set rollout.strategy: direct" in message, "the message says what to do instead"
-    assert from_mapping({"serving": {"weightsMode": "full"}}).rollout.strategy == "direct"
+    assert "set rollout.strategy: bluegreen" in message, "the message says what to do instead"
+    assert from_mapping({"serving": {"weightsMode": "full"}}).rollout.strategy == "bluegreen"
     assert from_mapping({"serving": {"weightsMode": "full"}, "rollout": {"strategy": "direct"}}).rollout.strategy == (
         "direct"
     )
     assert from_mapping({"rollout": {"strategy": "canary"}}).rollout.strategy == "canary"  # LoRA: canary stays
     resolved = from_mapping({"serving": {"weightsMode": "full"}})
-    assert from_mapping(resolved.dump()).rollout.strategy == "direct", "the dumped form (ConfigMap) loads again"
+    assert from_mapping(resolved.dump()).rollout.strategy == "bluegreen", "the dumped form (ConfigMap) loads again"

@@ -22,8 +22,8 @@ import pytest
 import redis
 
 from onlinerl.config import from_mapping
+from onlinerl.dataplane.holds import active_holds, hold, release
 from onlinerl.fim import get_template
-from onlinerl.holds import active_holds, hold, release
 from onlinerl.keys import Keys
 from onlinerl.procs import Child, wait_for
 from onlinerl.schemas import PolicyTable, PolicyVersionState, RolloutRecord, adapter_name
@@ -428,16 +428,16 @@ def test_newer_versions_retire_the_oldest_beyond_keep(stack: Stack) -> None:
 
 
 def test_an_evaluation_hold_brings_a_retired_version_back_until_released(stack: Stack) -> None:
-    key = Keys(JOB).holds
+    keys = Keys(JOB)
     assert (version_state(stack, 1) or PolicyVersionState(version=1)).state == "retired"
-    assert hold(stack.redis, key, [0, 1], seconds=300) == [1]  # the base model needs no hold
+    assert hold(stack.redis, keys, [0, 1], seconds=300) == [1]  # the base model needs no hold
     wait_for(lambda: adapter_name(JOB, 1) in engine_models(stack), 30, what="held v1 loaded again")
     assert policy(stack).stable == 3  # a hold keeps a version loaded; it does not route users to it
-    release(stack.redis, key, [1])
+    release(stack.redis, keys, [1])
     wait_for(lambda: adapter_name(JOB, 1) not in engine_models(stack), 30, what="released v1 retired again")
-    hold(stack.redis, key, [1], seconds=-1)  # an expired hold holds nothing
-    assert active_holds(stack.redis.hgetall(key), time.time()) == set()
-    release(stack.redis, key, [1])
+    hold(stack.redis, keys, [1], seconds=-1)  # an expired hold holds nothing
+    assert active_holds(stack.redis.hgetall(keys.holds), time.time()) == set()
+    release(stack.redis, keys, [1])
 
 
 def test_vllm_losing_adapters_gets_them_back(stack: Stack) -> None:

@@ -168,3 +168,50 @@ def test_tempered_logprobs_are_per_row_and_match_log_softmax():
 def test_masked_aggregate_rejects_unknown_mode():
     with pytest.raises(ValueError, match="token-mean"):
         masked_aggregate(torch.zeros(1, 1), torch.ones(1, 1), "sum")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "adv", "loss", "grad", "clipped"),
+    [
+        # A < 0 with eps_neg = 0.1: the lower bound moves up to 0.9 ...
+        (0.85, -1.0, 0.9, 0.0, 1.0),  # below 0.9: -A (1 - eps_neg), no gradient (plain eps = 0.2 would still push)
+        (0.95, -1.0, 0.95, 0.95, 0.0),  # inside: -A r
+        (1.5, -1.0, 1.5, 1.5, 0.0),  # above: unclipped, as without the asymmetry
+        # ... and A > 0 keeps eps = 0.2 on both sides.
+        (1.15, 1.0, -1.15, -1.15, 0.0),
+        (1.5, 1.0, -1.2, 0.0, 1.0),
+        (0.85, 1.0, -0.85, -0.85, 0.0),
+    ],
+)
+def test_asymmetric_clip_for_negative_advantages(ratio, adv, loss, grad, clipped):
+    got_loss, got_grad, stats = one_token(ratio, adv, clip_eps_negative=0.1)
+    assert got_loss == pytest.approx(loss, abs=1e-6)
+    assert got_grad == pytest.approx(grad, abs=1e-6)
+    assert stats["clip_fraction"] == clipped
+
+
+def test_asymmetric_clip_mixes_per_sequence_and_rejects_out_of_range():
+    # Two sequences at ratio 0.85: the rejected one (A < 0) is clipped at 0.9, the accepted one (A > 0) is not.
+    logp = torch.full((2, 1), math.log(0.85), requires_grad=True)
+    out = ppo_loss(logp, torch.zeros(2, 1), torch.tensor([-1.0, 1.0]), torch.ones(2, 1), clip_eps_negative=0.1)
+    out.loss.backward()
+    assert float(out.loss.detach()) == pytest.approx((0.9 - 0.85) / 2)  # token-mean of 0.9 and -0.85
+    assert logp.grad[:, 0].tolist() == pytest.approx([0.0, -0.85 / 2])
+    assert out.stats["clip_fraction"] == pytest.approx(0.5)
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="clip_eps_negative must be in"):
+            one_token(1.0, -1.0, clip_eps_negative=bad)
+
+
+def test_k3_penalty_pulls_a_pushed_down_token_back_to_the_base():
+    # pi = 0.25 after rejects pushed it below the base's 0.5: d k3 / d logp = 1 - pi_ref / pi = 1 - 2 = -1, so
+    # descending the loss raises logp again; k1 would give +1 (push further down) and is the biased one here.
+    for estimator, want in (("k3", -1.0), ("k1", 1.0)):
+        logp = torch.log(torch.tensor([[0.25]])).requires_grad_(True)
+        ref = torch.log(torch.tensor([[0.5]]))
+        out = ppo_loss(
+            logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 1), ref_logp=ref, kl_coef=1.0,
+            kl_estimator=estimator,
+        )  # fmt: skip
+        out.loss.backward()
+        assert float(logp.grad) == pytest.approx(want)

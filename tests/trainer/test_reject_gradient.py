@@ -72,7 +72,44 @@ def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, valkey,
     moved = sum(after) - sum(before)
     print(f"log p(rejected completion) {sum(before):.5f} -> {sum(after):.5f} ({moved:+.2e} nats in one step)")
     assert moved < 0
-    assert "onlinerl_trainer_inert_samples_total 0.0" in trainer.metrics.render().decode()
+    rendered = trainer.metrics.render().decode()
+    assert "onlinerl_trainer_inert_samples_total 0.0" in rendered
+    # every sample of the step carried a negative advantage, and the step says so
+    assert stats["negative_advantage_share"] == 1.0
+    assert "onlinerl_trainer_negative_advantage_share 1.0" in rendered
+    assert stats["entropy_out_of_band"] in (0.0, 1.0)
+    if AlgorithmConfig().kl_coef > 0:  # the KL to the adapter-off base is measured and positive once moved
+        assert stats["kl"] >= 0.0
+
+
+def test_silence_after_a_tenants_rejects_is_reinforced(tmp_path, redis_client, valkey, tiny_model_path, enc):
+    """A silence sample (the ``empty`` reward a tracked, unreported rollout gets) scores above a baseline that
+    rejects pulled down: the completion the user never saw becomes more likely (under Cursor's reward, an empty or
+    unshown suggestion beats a rejected one)."""
+    reward = RewardConfig()
+    assert reward.rejected < reward.empty
+    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=_product_algorithm())
+    trainer = Trainer(cfg, redis_client, tiny_model_path)
+    trainer.start()
+    prompt = enc(PROMPT)
+    rows = [(prompt, enc(OTHERS[i % len(OTHERS)])) for i in range(8)]
+    rejects = [
+        make_sample(i, p, c, lp, reward.rejected, trainer.version)
+        for i, ((p, c), lp) in enumerate(zip(rows, logprobs_now(trainer, rows), strict=True))
+    ]
+    xadd_samples(redis_client, rejects)
+    assert trainer.train_on(trainer.collect()) is not None
+
+    silent = enc(" 0\n")
+    (before,) = logprobs_now(trainer, [(prompt, silent)])
+    xadd_samples(
+        redis_client, [make_sample(200 + i, prompt, silent, before, reward.empty, trainer.version) for i in range(8)]
+    )
+    stats = trainer.train_on(trainer.collect())
+    assert stats is not None and stats["advantage_mean"] > 0  # the baseline sits below `empty` after the rejects
+    assert stats["negative_advantage_share"] == 0.0
+    (after,) = logprobs_now(trainer, [(prompt, silent)])
+    assert sum(after) > sum(before)
 
 
 def test_a_tenants_first_batch_of_rejects_moves_the_policy(tmp_path, redis_client, valkey, tiny_model_path, enc):

@@ -38,6 +38,7 @@ from .backlog import BacklogMonitor
 from .decide import ACCEPTED, CONTRIBUTION_LIMIT, DUPLICATE, REJECTED, UNMATCHED, decide
 from .limits import user_of
 from .metrics import FeedbackMetrics
+from .openapi import SUBMIT_PATH, openapi_document
 from .pipeliner import Pipeliner, RedisUnavailable
 from .prompts import configured_template, event_prompt
 from .store import FeedbackStore
@@ -45,7 +46,6 @@ from .sweeper import SilenceSweeper, silence_counter
 
 log = logging.getLogger("onlinerl_feedback")
 
-SUBMIT_PATH = "/api/training/submit"
 PROJECT_HEADER = b"x-project-id"
 UNKNOWN_TENANT = "unknown"
 
@@ -313,6 +313,12 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
                 headers=retry_after,
             )
         return Response(b'{"status":"ready"}', media_type="application/json")
+
+    schema = orjson.dumps(openapi_document(fb.max_body_bytes))  # hand-written: the submit route is raw ASGI
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return Response(schema, media_type="application/json")
 
     @app.get("/metrics")
     async def prometheus() -> Response:

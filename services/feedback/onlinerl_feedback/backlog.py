@@ -11,10 +11,11 @@ import asyncio
 import logging
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from onlinerl.aio import cancel_and_wait
-from onlinerl.keys import SAMPLES_GROUP, Keys
+from onlinerl.dataplane import samples
+from onlinerl.keys import Keys
 
 from .metrics import FeedbackMetrics
 
@@ -34,26 +35,12 @@ class BacklogMonitor:
     async def refresh(self) -> None:
         """One XLEN + XINFO GROUPS; keeps the last figures when Redis does not answer."""
         try:
-            self.backlog = int(await self._client.xlen(self._keys.samples))
-            self.lag = await self._group_lag()
+            self.backlog, self.lag = await samples.backlog(self._client, self._keys)
         except RedisError as exc:
             log.debug("backlog refresh failed: %s", exc)
             return
         self._metrics.backlog.set(self.backlog)
         self._metrics.consumer_lag.set(self.lag)
-
-    async def _group_lag(self) -> int:
-        """Entries never delivered to group ``trainers``; the whole stream while the group does not exist yet."""
-        try:
-            groups = await self._client.xinfo_groups(self._keys.samples)
-        except ResponseError:  # no such key: nothing to consume
-            return 0
-        for g in groups:
-            name = g.get("name") or g.get(b"name")
-            if (name.decode() if isinstance(name, bytes) else name) == SAMPLES_GROUP:
-                lag = g.get("lag", g.get(b"lag"))
-                return int(lag) if lag is not None else self.backlog
-        return self.backlog
 
     async def _run(self) -> None:
         while True:

@@ -2,7 +2,9 @@
 
 A *user* is one API key (``Identity.key_id``: clients make up their unique ids, so only the key identifies anyone;
 anonymous traffic is one user, ``anonymous``). An event *contributes* when it would be trained on or counted in a
-canary arm's stats. For such an event the append script (store.py) checks, in the same step as the XADD:
+canary arm's stats. A silence outcome (sweeper.py) is no user's event: the server produces it for a rollout nobody
+reported, so it never passes this step and never counts against a limit or the anomaly test. For a contributing
+event the append script (store.py) checks, in the same step as the XADD:
 
 1. quarantined (key ``quarantine:{tenant}:{user}`` exists): audited with reason ``quarantined``;
 2. over ``feedback.limits.maxSamplesPerUserPerHour`` in this clock hour (counter ``contrib:{tenant}:{user}:{hour}``):
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from onlinerl.config import FeedbackLimitsConfig
+from onlinerl.dataplane import limits as dataplane_limits
 from onlinerl.keys import Keys
 from onlinerl.schemas import CompletionOutcome
 
@@ -90,6 +93,4 @@ def limit_args(
 
 async def release(redis: Any, keys: Keys, tenant: str, user: str) -> bool:
     """Release a quarantined user (an admin's decision): drop the mark and the user's counters. True if it was set."""
-    was = await redis.exists(keys.quarantine(tenant, user))
-    await redis.delete(keys.quarantine(tenant, user), keys.user_stats(tenant, user))
-    return bool(was)
+    return await dataplane_limits.release(redis, keys, tenant, user)

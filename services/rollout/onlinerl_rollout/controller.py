@@ -1,13 +1,20 @@
 """The rollout controller: turns loaded versions into gated candidates, and candidates into promotions or rollbacks.
 
-One ``tick`` reads the live policy table and acts on it (strategy ``canary`` only; under ``direct`` the reloader
-makes each version stable itself):
+One ``tick`` reads the live policy table and acts on it (strategies ``canary`` and ``bluegreen``; under ``direct``
+the reloader makes each version stable itself):
 
 * no candidate: the newest loaded version above stable that the rollout has not judged goes through the eval gate
   (an injected ``Evaluator``); pass -> it becomes the candidate with ``rollout.canaryShare`` of users; fail -> the
   version is recorded ``gate_failed`` and the trainer keeps going (the next version gets its own chance);
 * a candidate: counters since it started are compared with ``decision.decide``; promote / rollback / hold at each
   look, applied and recorded atomically (``store.RolloutStore.apply``). A decided version is final.
+
+``bluegreen`` (full-weight serving: one version at a time) takes versions the reloader recorded ``ready``
+(switchable) too. It gates only once stable's own arm has ``minSamples`` shown (the baseline the watch compares
+with), and a pass switches everyone to the candidate (``canary_share`` 1: the reloader swaps vLLM's weights, the
+gateway labels the traffic ``candidate``) with stable's counters snapshotted in the same script. The watch is
+``decision.decide_watch`` against that snapshot; rollback switches everyone back. Which comparison applies is read
+from the table, not the config: a candidate holding the whole traffic has no live stable arm to compare with.
 
 ``pinned`` stops all verdicts (traffic is pinned, the canary learns nothing). ``paused`` stops promotion and new
 candidates, but not rollbacks: pausing must never keep a worse policy in front of users.
@@ -32,7 +39,7 @@ from onlinerl.keys import Keys
 from onlinerl.rollout.records import ArmStats, DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
-from onlinerl_rollout.decision import DecisionRules, Verdict, decide
+from onlinerl_rollout.decision import DecisionRules, Verdict, decide, decide_watch, guardrail_breaches
 from onlinerl_rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
 from onlinerl_rollout.metrics import RolloutMetrics
 
@@ -67,7 +74,7 @@ class RolloutController:
         gate_attempts: int = 3,
         gate_retry_seconds: float = 2.0,
     ) -> None:
-        if cfg.strategy == "canary" and cfg.gate.enabled and evaluator is None:
+        if cfg.controlled and cfg.gate.enabled and evaluator is None:
             raise ValueError("rollout.gate.enabled needs an evaluator (or set rollout.gate.enabled: false)")
         self.keys = Keys(job)
         self.store = RolloutStore(r, self.keys)
@@ -84,6 +91,7 @@ class RolloutController:
         self._paused_noted: set[tuple[int, int]] = set()
         self.last_tick_ok: float | None = None  # monotonic time of the last tick that reached Redis
         self.evaluating: int | None = None  # the version under eval (an eval can take minutes: still healthy)
+        self.waiting: str = ""  # why no gate runs although a version is waiting (bluegreen: stable's baseline)
 
     # --- the loop ----------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval: float = 5.0) -> None:
@@ -97,7 +105,7 @@ class RolloutController:
 
     def tick(self) -> list[DecisionRecord]:
         """One pass; returns the decisions recorded in it."""
-        if self.cfg.strategy != "canary":
+        if not self.cfg.controlled:
             self.last_tick_ok = time.monotonic()
             return []
         table = self.store.policy()
@@ -112,12 +120,17 @@ class RolloutController:
             return []
         judged = self.store.states()
         fresh = sorted(
-            v for v, s in self.store.versions().items() if s.state == "loaded" and v > table.stable and v not in judged
+            v
+            for v, s in self.store.versions().items()
+            if s.state in self._gateable and v > table.stable and v not in judged
         )
         if not fresh:
             return []
         out = [rec for old in fresh[:-1] if (rec := self._supersede(old, fresh[-1], table.stable))]
         newest = fresh[-1]
+        share = 1.0 if self.cfg.strategy == "bluegreen" else self.cfg.canary_share
+        if share >= 1.0 and not self._baseline_ready(newest, table.stable):
+            return out
         result = self._run_gate(newest, table.stable)
         if result is None:  # evaluator error, will retry
             return out
@@ -135,7 +148,7 @@ class RolloutController:
                 version=newest,
                 stable=table.stable,
                 reason=reason,
-                figures={**figures, "canary_share": self.cfg.canary_share},
+                figures={**figures, "canary_share": share},
                 at=now,
             )
             ok = self.store.apply(
@@ -143,7 +156,7 @@ class RolloutController:
                 expect_stable=table.stable,
                 expect_candidate=None,
                 states=[state],
-                policy={"candidate": newest, "canary_share": self.cfg.canary_share},
+                policy={"candidate": newest, "canary_share": share},
                 snapshot_stable=table.stable,
             )
         else:
@@ -158,6 +171,25 @@ class RolloutController:
             self._emit(rec)
             out.append(rec)
         return out
+
+    @property
+    def _gateable(self) -> tuple[str, ...]:
+        """Version states the gate takes: loaded (LoRA: servable now); under bluegreen also ready (full weights:
+        verified, swapped into vLLM only by the switch)."""
+        return ("loaded", "ready") if self.cfg.strategy == "bluegreen" else ("loaded",)
+
+    def _baseline_ready(self, version: int, stable: int) -> bool:
+        """Blue/green compares with stable's snapshot, so it switches only once stable's arm has ``minSamples``
+        shown: with fewer the watch could never take a look (a freshly promoted stable starts from zero)."""
+        shown = self.store.arm_stats(stable, STABLE).shown
+        if shown >= self.rules.min_samples:
+            self.waiting = ""
+            return True
+        why = f"v{version} waits for stable v{stable}'s baseline: {shown} of {self.rules.min_samples} shown"
+        if why.split(":")[0] != self.waiting.split(":")[0]:
+            log.info("%s", why)
+        self.waiting = why
+        return False
 
     def _run_gate(self, version: int, stable: int) -> GateResult | str | None:
         """The gate's result; a reason string when it failed without figures; None to retry on the next tick."""
@@ -178,7 +210,10 @@ class RolloutController:
             return f"evaluator failed {n} times: {exc}" if n >= self.gate_attempts else None
         finally:
             self.evaluating = None
-        return evaluate_gate(inp, GateThresholds.from_config(self.cfg.gate))
+        result = evaluate_gate(inp, GateThresholds.from_config(self.cfg.gate))
+        guardrails = sum(1 for reason in result.reasons if reason.startswith("guardrail:"))
+        self.metrics.observe_gate(version, stable, result.figures(), guardrails)
+        return result
 
     def _supersede(self, version: int, by: int, stable: int) -> DecisionRecord | None:
         now = self.clock()
@@ -197,12 +232,22 @@ class RolloutController:
         if state is None or state.state != "canary" or state.stable_version != stable:
             return self._restart_canary(table, state)
         cand_stats = self.store.arm_stats(cand, CANDIDATE)
-        stable_stats = self.store.arm_stats(stable, STABLE).minus(ArmStats.from_mapping(state.baseline))
+        baseline = ArmStats.from_mapping(state.baseline)
+        blue = table.canary_share >= 1.0  # everyone on the candidate: no live stable arm, compare with the snapshot
+        stable_stats = baseline if blue else self.store.arm_stats(stable, STABLE).minus(baseline)
         now = self.clock()
-        v = decide(
+        judge = decide_watch if blue else decide
+        v = judge(
             cand_stats, stable_stats, now - state.started_at, state.last_look, self.rules, state.guardrail_breach_looks
         )
-        self.metrics.observe_canary(cand, stable, v.p_accept_rate, cand_stats.accept_rate, stable_stats.accept_rate)
+        self.metrics.observe_canary(
+            cand,
+            stable,
+            v.p_accept_rate,
+            (cand_stats.summary(), stable_stats.summary()),
+            len(guardrail_breaches(cand_stats, stable_stats, self.rules.guardrails)),
+            blue,
+        )
         if table.pinned is not None:
             return []
         if not v.evaluated:

@@ -27,12 +27,18 @@ Guards against noise and flapping:
 * finality is the controller's part: a candidate gets at most one promote or rollback;
 * an equal candidate would hold forever and block newer versions: after ``max_looks`` looks a hold is
   ``inconclusive``, and the controller lets a newer loaded version supersede it (no verdict on its quality).
+
+Blue/green (``decide_watch``): one version serves everyone, so there is no live stable arm; the same ``decide``
+compares the candidate with a frozen snapshot of stable's counters taken at the switch. The snapshot's shown count
+caps the looks (the smaller arm stops growing), so the watch window ends at the last look it allows (or
+``max_looks``): a hold there keeps the candidate ("no live regression") unless a guardrail point figure is still
+broken, which switches back. Promote and rollback before the end are ``decide``'s, with its alpha spending.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from onlinerl.config import GuardrailConfig, RolloutConfig
@@ -278,4 +284,36 @@ def decide(
         )
     return verdict(
         "hold", f"within noise at look {look}: P(accept rate) = {p_rate:.4f}, P(yield) = {p_yield:.4f}", True
+    )
+
+
+def watch_last_look(baseline: ArmStats, rules: DecisionRules) -> int:
+    """The last look a blue/green watch takes: where the frozen snapshot's shown count stops the looks, at most
+    ``max_looks`` (-1: the snapshot is below ``min_samples``, no look is possible)."""
+    return min(rules.max_looks, look_index(baseline.shown, rules.min_samples))
+
+
+def decide_watch(
+    candidate: ArmStats,
+    baseline: ArmStats,
+    dwell_seconds: float,
+    last_look: int,
+    rules: DecisionRules,
+    breach_looks: int = 0,
+) -> Verdict:
+    """Blue/green's verdict: ``decide`` against stable's snapshot, and at the watch window's last look a hold becomes
+    keep (promote) or, with a guardrail still broken, switch back (rollback)."""
+    v = decide(candidate, baseline, dwell_seconds, last_look, rules, breach_looks)
+    end = watch_last_look(baseline, rules)
+    if not v.evaluated or v.action != "hold" or v.look < end:
+        return v
+    if v.breaches:
+        return replace(
+            v, action="rollback", reason=f"guardrail broken at the end of the watch window (look {v.look}): {v.reason}"
+        )
+    return replace(
+        v,
+        action="promote",
+        reason=f"kept: no live regression by the end of the watch window (look {v.look}, {v.samples} shown "
+        f"against stable's snapshot): {v.reason}",
     )

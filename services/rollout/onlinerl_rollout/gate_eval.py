@@ -40,6 +40,8 @@ def evaluate(req: EvalRequest) -> GateInput:
     records = []
     for version in (req.candidate, req.stable):
         run = asyncio.run(run_version(samples, factory, version, concurrency=2))
+        if run.records and all(r.failed for r in run.records):
+            raise RuntimeError(_nothing_served(version, len(run.records), cfg.serving.weights_mode))
         by_id = {s.id: s for s in samples}
         records += [
             {"version": version, "shown_text": r.shown, "accepted": decide(r.shown, by_id[r.sample_id].middle)}
@@ -47,3 +49,16 @@ def evaluate(req: EvalRequest) -> GateInput:
             if not r.failed
         ]
     return GateInput.from_records(req.candidate, req.stable, records)
+
+
+def _nothing_served(version: int, n: int, weights_mode: str) -> str:
+    """Why a gate could not run, in words a person can act on (it becomes the gate_fail reason after retries)."""
+    why = f"none of {n} eval requests pinned to v{version} was served"
+    if weights_mode == "full":
+        return (
+            f"{why}: under serving.weightsMode full the gateway serves only the version vLLM holds, so the gate "
+            "cannot evaluate a version before the switch through it; point ONLINERL_GATEWAY_URL at a serving that "
+            "holds the candidate, plug another evaluator (--evaluator), or set rollout.gate.enabled: false to rely "
+            "on the blue/green live watch alone"
+        )
+    return f"{why} (is it loaded? see `onlinerl status` and the reloader's last error)"

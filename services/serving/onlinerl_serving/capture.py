@@ -2,21 +2,28 @@
 
 The record's write must reach Redis before the client sees the end of the response (``data: [DONE]`` or the JSON
 body), so a feedback upload, which can only follow that, always finds it. Its acknowledgement (which waits for the
-AOF fsync) is awaited after the response is out.
+AOF fsync) is awaited after the response is out. A tenant over ``serving.maxRecordsPerTenant`` loses its oldest
+records, never the request: the script evicts them and its reply is counted and logged here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from onlinerl.config import SilenceConfig
-from onlinerl.keys import Keys, prompt_digest
+from prometheus_client import Counter
+
+from onlinerl.config import ServingConfig, SilenceConfig
+from onlinerl.dataplane import rollouts
+from onlinerl.keys import Keys
 from onlinerl.redis_pipe import PipelinedConnection
 from onlinerl.schemas import RolloutRecord, SamplingParams
+
+log = logging.getLogger("onlinerl.gateway.capture")
 
 # Fields an OpenAI client expects; vLLM's extras (token_ids, stop_reason, kv_transfer_params...) never leave the pod.
 _TOP_FIELDS = ("id", "object", "created", "model", "choices", "system_fingerprint", "usage")
@@ -108,55 +115,73 @@ def client_view(payload: dict[str, Any], *, logprobs: int | None, token_ids: boo
     return out
 
 
-# HSET the record, refresh the hash's TTL, count it as served: one atomic command, one round trip. Every key carries
-# the job's hash tag, so this also runs on Redis Cluster. For a tenant with silence tracking on (KEYS[3] given), the
-# rollout also joins the tenant's due-set, scored by its finish time, in the same step: a rollout a client can rate is
-# always one the silence sweeper will find. Entries older than the records' TTL are dropped (their records are gone)
-# so the set stays bounded even when no sweeper runs; the set itself expires with the last record.
-# KEYS: rollouts hash, stats, [silence due-set]. ARGV: rollout_id, record json, ttl, [member, finished_at, cut-off].
-_STORE_ROLLOUT = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-if #KEYS >= 3 then
-  redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[6])
-  redis.call('EXPIRE', KEYS[3], ARGV[3])
-end
-return redis.call('HINCRBY', KEYS[2], 'served', 1)
-"""
+class EvictionLog:
+    """Logs a tenant's evictions at most once per ``every`` seconds (with the count since the last line), so a tenant
+    that sits at its cap leaves one line a minute, not one per request."""
+
+    def __init__(self, every: float = 60.0) -> None:
+        self.every = every
+        self._pending: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def add(self, tenant: str, evicted: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._pending[tenant] = self._pending.get(tenant, 0) + evicted
+        last = self._last.get(tenant)
+        if last is None or now - last >= self.every:
+            log.warning(
+                "tenant %s is over serving.maxRecordsPerTenant: evicted its %d oldest rollout record(s)",
+                tenant,
+                self._pending.pop(tenant),
+            )
+            self._last[tenant] = now
 
 
 class RolloutStore:
     """Writes rollout records on a pipelined connection, so a write can be on the wire before its reply is awaited.
 
+    One EVAL per record (onlinerl/dataplane/rollouts.py: record, per-record TTL, the tenant's cap, silence due-set).
     Plain EVAL of the short script (no EVALSHA): Redis hashes and caches it, and there is no NOSCRIPT round trip
     after a Redis restart that would leave the record unwritten when the client's ``[DONE]`` goes out."""
 
-    def __init__(self, redis: Any, keys: Keys, ttl_seconds: int, silence: SilenceConfig | None = None) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        keys: Keys,
+        ttl_seconds: int,
+        silence: SilenceConfig | None = None,
+        max_records_per_tenant: int | None = None,
+        evicted: Counter | None = None,
+    ) -> None:
         self.keys = keys
         self.ttl_seconds = ttl_seconds
-        self.ttl = str(ttl_seconds)
+        self.max_records = max_records_per_tenant or ServingConfig().max_records_per_tenant
         self.silence = silence or SilenceConfig()
+        self.evicted = evicted  # onlinerl_serving_rollout_records_evicted_total{tenant}
+        self.eviction_log = EvictionLog()
         self._pipe = PipelinedConnection(redis)
 
     def command(self, record: RolloutRecord) -> tuple:
         """The one EVAL that records ``record`` (and, for a tenant with silence tracking on, marks it due)."""
-        keys = [self.keys.rollouts(record.tenant, record.prompt), self.keys.stats(record.policy_version, record.arm)]
-        argv: list[Any] = [record.rollout_id, record.to_json(), self.ttl]
-        if self.silence.tracked(record.tenant):
-            keys.append(self.keys.silence_due(record.tenant))
-            finished = record.finished_at or time.time()
-            member = f"{prompt_digest(record.prompt)} {record.rollout_id}"
-            argv += [member, repr(finished), repr(finished - self.ttl_seconds)]
-        return ("EVAL", _STORE_ROLLOUT, len(keys), *keys, *argv)
+        tracked = self.silence.tracked(record.tenant)
+        return rollouts.record_command(self.keys, record, self.ttl_seconds, self.max_records, tracked)
 
     async def send(self, record: RolloutRecord) -> asyncio.Future:
         """Send the write now (readable by others once Redis reads it); the future is Redis's acknowledgement."""
         (acknowledged,) = await self._pipe.send([self.command(record)])
         return acknowledged
 
-    async def store(self, record: RolloutRecord) -> None:
-        await (await self.send(record))
+    def acknowledged(self, tenant: str, reply: Any) -> rollouts.RecordWritten:
+        """Account for what the write did once Redis acknowledged it: evictions are counted and logged."""
+        written = rollouts.RecordWritten.of(reply)
+        if written.evicted:
+            if self.evicted is not None:
+                self.evicted.labels(tenant).inc(written.evicted)
+            self.eviction_log.add(tenant, written.evicted)
+        return written
+
+    async def store(self, record: RolloutRecord) -> rollouts.RecordWritten:
+        return self.acknowledged(record.tenant, await (await self.send(record)))
 
     async def close(self) -> None:
         await self._pipe.close()

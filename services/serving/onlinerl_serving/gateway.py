@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from onlinerl.arms import EVAL, STABLE
+from onlinerl.arms import EVAL, STABLE, Arm
 from onlinerl.asgi import ASGIApp, Receive, Scope, Send, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig, load_config
@@ -105,7 +105,15 @@ class Gateway:
             weights_mode=cfg.serving.weights_mode,
         )
         self.inflight: Tally[str] = Tally()
-        self.rollouts = RolloutStore(redis, self.keys, cfg.redis.rollout_ttl_seconds, cfg.feedback.silence)
+        self._held_arm: tuple[int, Arm] = (-1, STABLE)  # full weights: (held version, arm it was last routed under)
+        self.rollouts = RolloutStore(
+            redis,
+            self.keys,
+            cfg.redis.rollout_ttl_seconds,
+            cfg.feedback.silence,
+            cfg.serving.max_records_per_tenant,
+            self.metrics.records_evicted,
+        )
 
     # --- routing ------------------------------------------------------------------------------------------------
     def pick(self, uhash: str, forced: int | None = None, held: int | None = None) -> tuple[PolicyRoute, str]:
@@ -113,9 +121,16 @@ class Gateway:
         table = self.state.policy
         if forced is not None:
             r = self._forced_route(forced, held)
-        elif held is not None:  # full weights: everyone gets what vLLM holds; mid-switch it is still the stable one
+        elif held is not None:
+            # Full weights: everyone gets what vLLM holds. While the table already names another version (a switch
+            # is coming), the held one keeps the arm it was last routed under: the old stable stays "stable", and a
+            # blue/green candidate being switched back stays "candidate", never counted in a stable arm.
             arm, wanted = choose(table, uhash)
-            r = PolicyRoute(arm if wanted == held else STABLE, held, wanted)
+            if wanted == held:
+                self._held_arm = (held, arm)
+            else:
+                arm = self._held_arm[1] if self._held_arm[0] == held else STABLE
+            r = PolicyRoute(arm, held, wanted)
         else:
             r = route(table, uhash, self.state.loaded_versions())
         return r, served_model_name(self.cfg.job, self.cfg.model.served_name, r.version, self.cfg.serving.weights_mode)
@@ -335,7 +350,7 @@ class Gateway:
     async def _recorded(self, ctx: _Ctx, acknowledged: asyncio.Future) -> None:
         """A Redis failure costs the record (counted, logged), never the completion."""
         try:
-            await acknowledged
+            self.rollouts.acknowledged(ctx.tenant, await acknowledged)  # counts and logs the tenant's evictions
             self.metrics.recorded.labels(str(ctx.route.version), ctx.route.arm).inc()
         except Exception as exc:
             log.error("rollout record %s not stored: %s", ctx.rollout_id, exc)

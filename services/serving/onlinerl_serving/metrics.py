@@ -47,6 +47,12 @@ class GatewayMetrics:
             "Completions served whose rollout record could not be stored.",
             registry=r,
         )
+        self.records_evicted = Counter(
+            "onlinerl_serving_rollout_records_evicted_total",
+            "Rollout records evicted because their tenant was over serving.maxRecordsPerTenant (oldest first).",
+            ["tenant"],
+            registry=r,
+        )
         self.engine_up = Gauge("onlinerl_serving_engine_up", "1 when vLLM answers /v1/models.", registry=r)
         self.policy_version = Gauge(
             "onlinerl_serving_policy_version", "Versions in the cached policy table.", ["role"], registry=r

@@ -15,9 +15,11 @@ The direct raise is one Lua script that refuses while the table holds a manual d
 rolled back: a human's rollback survives any reload, reloader restart or vLLM restart.
 
 Full-weight mode (``serving.weightsMode: full``) holds one version: the one the policy table gives this replica
-(pinned, else stable; under ``direct`` stable is raised first). Changing it: tell the gateway ``switching`` (it stops
-sending and drains), pause vLLM, reload the weights (the base model's for v0), record ``weights_version`` while still
-paused, resume, warm up, tell the gateway ``serving`` vN. Requests are thus labelled with the version that serves them.
+(pinned, else a candidate with ``canary_share`` 1 -- blue/green's switch --, else stable; under ``direct`` stable is
+raised first). The newest version above stable is verified and recorded ``ready`` (switchable) for the gate. Changing
+it: tell the gateway ``switching`` (it stops sending and drains), pause vLLM, reload the weights (the base model's for
+v0), record ``weights_version`` while still paused, resume, warm up, tell the gateway ``serving`` vN.
+Requests are thus labelled with the version that serves them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from onlinerl.config import OnlineRLConfig, load_config
-from onlinerl.holds import active_holds
+from onlinerl.dataplane import checkpoints, holds, policy, versions
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 from onlinerl_serving.checkpoints import Announcement, CheckpointError, confine, validate
@@ -48,27 +50,6 @@ from onlinerl_serving.routing import served_model_name
 log = logging.getLogger("onlinerl.reloader")
 
 RELOADER_PORT = 8004
-
-# strategy direct: raise policy.stable (KEYS[1]) to ARGV[1] only if it is newer (replicas race; stable never goes
-# back), no manual decision holds the table, promotion is not paused, and the rollout (KEYS[2]) never rolled
-# ARGV[1] back. One script: a concurrent `onlinerl policy rollback` is either before (seen) or after (wins).
-_RAISE_STABLE = """
-local t = redis.call('HMGET', KEYS[1], 'stable', 'hold', 'paused')
-if t[2] and t[2] ~= '' then return -1 end
-if t[3] == '1' then return -2 end
-local verdict = redis.call('HGET', KEYS[2], ARGV[1])
-if verdict then
-  local ok, d = pcall(cjson.decode, verdict)
-  if ok and (d['state'] == 'rolled_back' or d['state'] == 'gate_failed') then return -3 end
-end
-local cur = tonumber(t[1] or '0') or 0
-if tonumber(ARGV[1]) > cur then
-  redis.call('HSET', KEYS[1], 'stable', ARGV[1], 'updated_at', ARGV[2])
-  return 1
-end
-return 0
-"""
-_NOT_RAISED = {0: "not newer", -1: "a manual decision holds stable", -2: "promotion paused", -3: "rolled back before"}
 
 
 @dataclass
@@ -156,20 +137,16 @@ class Reloader:
         validate(self.versions[v].ann, self.cfg.storage.checkpoint_dir, self.cfg.job)
 
     async def read_stream(self, block_ms: int | None) -> None:
-        kwargs = {"count": 100} if block_ms is None else {"count": 100, "block": block_ms}
-        resp = await self.redis.xread({self.keys.checkpoints: self.last_id}, **kwargs)
-        for _stream, entries in resp or ():
-            for entry_id, fields in entries:
-                self._register(entry_id, fields)
-                self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        for entry_id, fields in await checkpoints.read_after(self.redis, self.keys, self.last_id, 100, block_ms):
+            self._register(entry_id, fields)
+            self.last_id = entry_id
 
     # --- decisions ------------------------------------------------------------------------------------------------
     async def policy(self) -> PolicyTable:
-        raw = await self.redis.hgetall(self.keys.policy)
-        return PolicyTable.from_redis(raw) if raw else PolicyTable()
+        return await policy.read_async(self.redis, self.keys)
 
     async def holds(self) -> set[int]:
-        return active_holds(await self.redis.hgetall(self.keys.holds), time.time())
+        return await holds.read_async(self.redis, self.keys)
 
     def wanted(self, table: PolicyTable, holds: set[int] = frozenset()) -> list[int]:
         """Versions vLLM should hold, oldest first (so the newest is loaded, and made stable, last): the newest
@@ -278,18 +255,16 @@ class Reloader:
         s.state, s.error, s.failures = "loaded", "", 0
         await self._save_state(v)
         status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
-        await self.redis.hset(self.keys.reloader_status, mapping=status)
+        await versions.set_reloader_status(self.redis, self.keys, status)
         if self.cfg.rollout.strategy == "direct":
             await self._raise_stable(v)
         log.info("v%d loaded and warm in %.2fs", v, time.perf_counter() - t0)
         return True
 
     async def _raise_stable(self, v: int) -> bool:
-        """strategy direct: make ``v`` stable unless the table forbids it (see ``_RAISE_STABLE``)."""
-        code = int(
-            await self.redis.eval(_RAISE_STABLE, 2, self.keys.policy, self.keys.rollout, str(v), repr(time.time()))
-        )
-        result = "raised" if code == 1 else _NOT_RAISED[code]
+        """strategy direct: make ``v`` stable unless the table forbids it (see ``policy.RAISE_STABLE``)."""
+        code = await policy.raise_stable(self.redis, self.keys, v)
+        result = "raised" if code == policy.RAISED else policy.NOT_RAISED[code]
         if code == 1:
             log.info("policy.stable -> v%d", v)
         elif code < 0 and self.last_raise != {"version": v, "result": result}:
@@ -299,16 +274,25 @@ class Reloader:
 
     # --- full-weight mode -----------------------------------------------------------------------------------------
     def full_target(self, table: PolicyTable) -> int:
-        """The version this replica must hold: pinned, else stable. One it cannot load (failed, never announced)
-        falls back to the newest good version below it, else the base model: serving never stops."""
+        """The version this replica must hold: pinned, else the candidate when it has the whole traffic (blue/green's
+        switch: ``canary_share`` 1, the gateway's ``choose`` sends everyone there too), else stable. One it cannot
+        load (failed, never announced) falls back to the newest good version below stable, else the base model:
+        serving never stops, and a failed candidate never drags in an older unjudged version."""
+        cand = table.candidate
+        everyone = table.pinned is None and cand is not None and table.canary_share >= 1.0
+        if everyone and cand in self.versions and self.versions[cand].state != "failed":
+            return cand
         want = table.pinned if table.pinned is not None else table.stable
         return max((v for v, s in self.versions.items() if s.state != "failed" and v <= want), default=0)
 
     async def _tick_full(self) -> None:
         table = await self.policy()
-        if self.cfg.rollout.strategy == "direct":
-            newest = max((v for v, s in self.versions.items() if s.state != "failed"), default=0)
-            if newest > table.stable and await self._verify(newest) and await self._raise_stable(newest):
+        newest = max((v for v, s in self.versions.items() if s.state != "failed"), default=0)
+        if newest > table.stable and await self._verify(newest):
+            if self.versions[newest].state == "announced":  # switchable: the blue/green gate may take it now
+                self.versions[newest].state = "ready"
+                await self._save_state(newest)
+            if self.cfg.rollout.strategy == "direct" and await self._raise_stable(newest):
                 table = await self.policy()
         target = self.full_target(table)
         if target == self.holding:
@@ -354,14 +338,14 @@ class Reloader:
         previous, self.holding = self.holding, None
 
         async def record_held() -> None:  # vLLM is still paused: nothing has been served by v yet
-            await self.redis.hset(self.keys.reloader_status, mapping={"weights_version": str(v)})
+            await versions.set_reloader_status(self.redis, self.keys, {"weights_version": str(v)})
 
         try:
             await self.admin.reload_full_weights(path, before_resume=record_held)
             await self.admin.warm_up(self.model_name(v))
         except EngineError as exc:
             await self._tell_gateway({"state": "unknown"})
-            await self.redis.hset(self.keys.reloader_status, mapping={"weights_version": ""})
+            await versions.set_reloader_status(self.redis, self.keys, {"weights_version": ""})
             if s is not None:
                 await self._load_failed(v, str(exc))
             else:
@@ -387,7 +371,7 @@ class Reloader:
             s.state, s.error, s.failures = "loaded", "", 0
             await self._save_state(v)
         status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
-        await self.redis.hset(self.keys.reloader_status, mapping=status)
+        await versions.set_reloader_status(self.redis, self.keys, status)
         log.info(
             "full weights v%s -> v%d (pinned=%s stable=%d) in %.2fs",
             previous,
@@ -414,7 +398,7 @@ class Reloader:
         s.failures += 1
         s.error = error
         self.metrics.reloads.labels("failure").inc()
-        await self.redis.hset(self.keys.reloader_status, mapping={"last_error": f"v{v}: {error}"[:2000]})
+        await versions.set_reloader_status(self.redis, self.keys, {"last_error": f"v{v}: {error}"[:2000]})
         if s.failures >= self.cfg.serving.max_load_failures:
             s.state = "failed"
             self.metrics.failed.inc()
@@ -438,7 +422,7 @@ class Reloader:
             failures=s.failures,
             error=s.error[:2000],
         )
-        await self.redis.hset(self.keys.versions, str(v), record.to_json())
+        await versions.save_state(self.redis, self.keys, record)
 
     # --- main loop ------------------------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from onlinerl.dataplane import policy as policy_table
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable
 from onlinerl_serving.routing import version_of_model
@@ -58,8 +59,7 @@ class ServingState:
 
     async def refresh_policy(self) -> None:
         try:
-            raw = await self.redis.hgetall(self.keys.policy)
-            self.policy = PolicyTable.from_redis(raw) if raw else PolicyTable()
+            self.policy = await policy_table.read_async(self.redis, self.keys)
             self.redis_up = True
             self.policy_at = time.monotonic()
         except Exception as exc:

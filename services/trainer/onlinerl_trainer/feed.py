@@ -147,7 +147,7 @@ class SampleFeed:
                 continue
             open_version.add(e.sample_id)
             try:
-                sample = TrainingSample.from_json(e.fields[b"data"])
+                sample = TrainingSample.from_json(e.data)
             except Exception as exc:
                 log.error("discarding undecodable stream entry %s: %s", e.sample_id, exc)
                 self.metrics.invalid.labels("undecodable").inc()

@@ -46,6 +46,21 @@ def pad_id(model_path: Path) -> int:
     return 0
 
 
+def health_stats(stats: dict[str, float], advantages: torch.Tensor, low: float, high: float) -> dict[str, float]:
+    """Share of samples with a negative advantage (a reject that carries gradient) and the entropy band check.
+
+    The band is a warning, not a control: an entropy that leaves it means the policy is flattening (pushed-down
+    rejects spread mass over junk tokens) or collapsing, which the KL penalty and the asymmetric clip should prevent.
+    """
+    out = {"negative_advantage_share": float((advantages < 0).float().mean()) if advantages.numel() else 0.0}
+    entropy = stats.get("entropy")
+    outside = entropy is not None and not low <= entropy <= high
+    out["entropy_out_of_band"] = 1.0 if outside else 0.0
+    if outside:
+        log.warning("entropy %.3f is outside the band [%.3f, %.3f]", entropy, low, high)
+    return out
+
+
 class Learner:
     """Model + optimizer of one rank, resumed from ``weights_from`` (a checkpoint folder) when given."""
 
@@ -83,9 +98,24 @@ class Learner:
         self._command("train", (samples, advantages))
 
     def update_batch(self, batch: Batch, advantages: torch.Tensor) -> UpdateResult:
-        return ppo_update(
+        """One PPO update, plus the two figures that say whether rejections teach and the policy stays stable."""
+        result = ppo_update(
             self.engine, batch, advantages, self.algo, self.tcfg.micro_batch_size, self.reference, self.ranks
         )
+        if self.ranks.leader:
+            result.stats.update(health_stats(result.stats, advantages, self.algo.entropy_min, self.algo.entropy_max))
+            st = result.stats
+            log.info(
+                "update: %d samples, negative-advantage share %.2f, entropy %.3f, approx KL %.2e, KL to base %.2e, "
+                "clip fraction %.3f",
+                len(advantages),
+                st["negative_advantage_share"],
+                st.get("entropy", float("nan")),
+                st.get("approx_kl", float("nan")),
+                st.get("kl", float("nan")),
+                st.get("clip_fraction", float("nan")),
+            )
+        return result
 
     def trainable_weights(self) -> dict[str, torch.Tensor]:
         self._command("gather")  # a collective under ZeRO-3

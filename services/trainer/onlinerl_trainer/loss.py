@@ -9,7 +9,10 @@ Notation (per completion token t of sequence i; shapes in brackets, B = sequence
     is_weight [B, T]  truncated importance weight min(pi_old / mu, cap) correcting old -> behaviour mismatch (detached)
 
     ratio r    = exp(logp - old_logp)
-    surrogate  = max(-A * r, -A * clip(r, 1 - eps, 1 + eps))            (PPO, Schulman et al. 2017, as a loss)
+    surrogate  = max(-A * r, -A * clip(r, 1 - eps_A, 1 + eps))          (PPO, Schulman et al. 2017, as a loss)
+    eps_A      = eps_neg where A < 0, else eps                           (asymmetric clip: for A < 0 only the lower
+                                                                          bound binds, so eps_neg < eps caps how far
+                                                                          one batch of rejects can push a token down)
     dual clip  = min(surrogate, -c * A)   only where A < 0              (Ye et al. 2020, c > 1: bounds the loss when
                                                                           r >> 1 on a negative advantage)
     kl (k3)    = exp(ref - logp) - (ref - logp) - 1                     (Schulman's unbiased, non-negative estimator
@@ -38,6 +41,23 @@ Behaviour distribution and temperature (per sequence i; z = the model's logits a
     The update changes z, hence the policy at every temperature; the objective is the reward of what users were
     served at their T_i. Below 1e-5 vLLM samples greedily (mu a point mass) and still reports T = 1 log-probs: no
     T matches that, so such rollouts (recorded as temperature 0) are audited by the feedback service, never trained.
+
+The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choosing the default algorithm"):
+    With Cursor's reward (+0.75 / -0.25 / 0) about 92% of samples are rejects with A < 0. Pushing a sampled
+    (usually modal) token down hands its mass to every other token, so unbounded it flattens the policy: run 4,
+    entropy 1.05 -> 2.33 in 24 steps, accept rate to 0. Four bounds, each cheap, keep the reject's gradient:
+    - kl_coef 0.1, k3 on the sampled tokens, pi_ref = the LoRA adapter switched off (the base, not the previous
+      version): one no-grad forward per batch, [B, T] floats kept across epochs. d k3 / d logp = 1 - pi_ref / pi_theta
+      pulls a pushed-down token back up. An exact KL over the vocabulary would also see mass moving to junk tokens,
+      but needs the base's [B, T, V] distribution across epochs (50 MB here, ~20 GB for 64 x 512 tokens x 150k);
+    - eps_neg 0.1 < eps 0.2: a reject's gradient stops once its token is 10% below mu (0.8 would allow 20%);
+    - dual clip c = 3: a stale token whose ratio grew large (r >> 1) cannot make a reject's loss unbounded;
+    - seq-mean: a rejected 3-line completion (32 tokens) weighs as much as an accepted 5-token one; with token-mean
+      the long rejects dominate the batch gradient and the net push is downward even when sum_i A_i = 0.
+    Not used: advantage normalisation (divides ~0.1-scale reject advantages by a batch std of ~0.3: larger steps,
+    the wrong direction for stability); per-context baselines (each context is served once: a group baseline needs
+    n samples per request, n times the CPU serving cost). The entropy of the sampled positions is reported every step
+    and checked against [entropy_min, entropy_max] (learner.health_stats), with the share of A < 0 samples.
 
 ``normalizer`` lets a caller split one batch into micro-batches and still get the exact batch loss: pass the token
 count (token-mean) or the sequence count (seq-mean) of the whole batch, and the micro-batch losses add up to it.
@@ -148,6 +168,7 @@ def ppo_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float = 0.2,
+    clip_eps_negative: float | None = None,
     dual_clip: float | None = None,
     aggregation: Aggregation = "token-mean",
     normalizer: float | None = None,
@@ -161,7 +182,10 @@ def ppo_loss(
     """The token-level clipped surrogate (+ optional dual clip, KL, entropy), aggregated over ``mask``.
 
     Shapes: logp, old_logp, mask, is_weight, ref_logp, entropy: [B, T]; advantages: [B] (or [B, T]).
+    ``clip_eps_negative`` is the lower ratio bound's eps for tokens with A < 0 (None: ``clip_eps``).
     """
+    if clip_eps_negative is not None and not 0.0 < clip_eps_negative < 1.0:
+        raise ValueError(f"clip_eps_negative must be in (0, 1), got {clip_eps_negative}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (Ye et al.), got {dual_clip}")
     mask = mask.to(logp.dtype)
@@ -173,7 +197,10 @@ def ppo_loss(
     log_ratio = logp - old_logp.detach()  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     unclipped = -adv * ratio  # [B, T]
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)  # [B, T]
+    low = 1.0 - clip_eps
+    if clip_eps_negative is not None:
+        low = torch.where(adv < 0, 1.0 - clip_eps_negative, 1.0 - clip_eps)  # [B, T]
+    clipped = -adv * torch.clamp(ratio, max=1.0 + clip_eps).clamp(min=low)  # [B, T] (low <= 1 < high)
     pg = torch.maximum(unclipped, clipped)  # [B, T] pessimistic (upper) bound of the loss
     clip_active = (clipped > unclipped).to(logp.dtype)  # [B, T] where the clip removed the gradient
 

@@ -21,6 +21,9 @@ STAT_GAUGES = {
     "advantage_std": "advantage_std",
     "entropy": "entropy",
     "grad_norm": "grad_norm",
+    "kl_to_base": "kl",
+    "negative_advantage_share": "negative_advantage_share",
+    "entropy_out_of_band": "entropy_out_of_band",
 }
 
 # label values (a contract: docs/architecture.md); validation.py decides which one applies

@@ -20,8 +20,9 @@ import redis
 import torch
 
 from onlinerl.config import OnlineRLConfig
+from onlinerl.dataplane import checkpoints, policy, versions
+from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
-from onlinerl.schemas import PolicyTable, PolicyVersionState
 from onlinerl_trainer.checkpoint import CheckpointStore, render_manifest
 from onlinerl_trainer.fence import FencedOut, Lease
 from onlinerl_trainer.metrics import TrainerMetrics
@@ -150,7 +151,7 @@ class Publisher:
         pruned = self.store.prune(self.tcfg.checkpoint.keep, self.protected_versions())
         if pruned:
             log.info("pruned versions %s", pruned)
-        self.client.hset(self.keys.trainer_status, mapping={"last_checkpoint_at": repr(time.time())})
+        trainer_status.write_status(self.client, self.keys, {"last_checkpoint_at": repr(time.time())})
         log.info("published v%d (%d samples)", version, len(ids))
         return version, ids, pruned
 
@@ -175,10 +176,7 @@ class Publisher:
         )
 
     def last_announced(self) -> int:
-        last = self.client.xrevrange(self.keys.checkpoints, count=1)
-        if not last:
-            return 0
-        return int(last[0][1][b"version"])
+        return checkpoints.last_announced(self.client, self.keys)
 
     def due(self, open_ids: int, steps_since: int) -> bool:
         """Publish after ``checkpoint.everySteps`` steps or ``everySeconds``, when anything was trained."""
@@ -191,15 +189,9 @@ class Publisher:
 
     def protected_versions(self) -> set[int]:
         """Versions a replica has loaded (or is loading) and versions the routing table points at."""
-        protected: set[int] = set()
-        for field, raw in self.client.hgetall(self.keys.versions).items():
-            try:
-                state = PolicyVersionState.from_json(raw)
-            except Exception:
-                protected.add(int(field))
-                continue
-            if state.state in ("loaded", "loading"):
-                protected.add(state.version)
-        table = PolicyTable.from_redis(self.client.hgetall(self.keys.policy))
+        table_of_versions = versions.read(self.client, self.keys)
+        protected = set(table_of_versions.malformed)  # unreadable: keep it rather than guess
+        protected.update(v for v, s in table_of_versions.states.items() if s.state in ("loaded", "loading"))
+        table = policy.read(self.client, self.keys)
         protected.update(v for v in (table.stable, table.candidate, table.pinned) if v)
         return protected

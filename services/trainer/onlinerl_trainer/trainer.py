@@ -29,6 +29,7 @@ import redis
 import torch
 
 from onlinerl.config import OnlineRLConfig
+from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
 from onlinerl_trainer.batching import Batch, collate
 from onlinerl_trainer.checkpoint import CheckpointStore
@@ -156,7 +157,7 @@ class Trainer:
         self.publisher.reannounce(self.version)
         rec = self.feed.recover()
         corrupt = ",".join(str(v) for v in sorted(self.corrupt_versions))
-        self.client.hset(self.keys.trainer_status, mapping={"corrupt_versions": corrupt})
+        trainer_status.write_status(self.client, self.keys, {"corrupt_versions": corrupt})
         self._status("waiting")
         self.metrics.version.set(self.version)
         return rec
@@ -314,9 +315,10 @@ class Trainer:
         """The job's trainer status hash: written by the lease holder only (a fenced-out trainer stays quiet)."""
         if self.lease.lost.is_set():
             return
-        self.client.hset(
-            self.keys.trainer_status,
-            mapping={
+        trainer_status.write_status(
+            self.client,
+            self.keys,
+            {
                 "step": str(self.step),
                 "version": str(self.version),
                 "samples_trained": str(self.samples_trained),

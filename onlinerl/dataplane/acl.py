@@ -1,0 +1,220 @@
+"""One Redis ACL user per component, generated from the data-plane contract (``contract.FAMILIES``).
+
+Why: with one shared password any pod that can reach Redis can XADD a forged training sample or rewrite the policy
+table. Here each component gets a user that may touch only the key families the contract lets it write (read+write
+key selector ``~``) or read (``%R~``), with the commands those families' Redis types need; nothing dangerous or
+administrative except for ``admin`` (the CLI and a human operator). Lua scripts run with the caller's rights, so a
+script cannot widen them. The ``default`` user is switched off: an unauthenticated client can do nothing.
+
+Keys are ``orl:{job}:<pattern>``: the braces are literal characters of the key, and ACL patterns are globs, so the job
+is escaped (``orl:\\{demo\\}:``); a job named ``a*`` cannot reach job ``ab``'s keys.
+
+Everything here is pure except :func:`apply` (ACL SETUSER on a live server) and :func:`new_passwords`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from onlinerl.dataplane.contract import FAMILIES, Component, Family
+
+USERS: tuple[Component, ...] = tuple(Component)
+DEFAULT_OFF = ("default", "reset", "off")
+
+# Every user: connection housekeeping redis-py sends, and TIME (components date records by the server clock).
+CONNECTION = ("ping", "echo", "time", "client|setinfo", "client|setname", "client|getname", "multi", "exec", "discard")
+# Scripts (EVALSHA, and EVAL after a NOSCRIPT): each command inside is checked against the same user.
+SCRIPTING = ("eval", "evalsha", "script|load", "script|exists")
+
+_READ = {
+    "hash": ("hget", "hmget", "hgetall", "hexists", "hkeys", "hvals", "hlen", "hstrlen", "hscan", "httl", "hpttl"),
+    "stream": ("xrange", "xrevrange", "xlen", "xread", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending"),
+    "string": ("get", "mget", "strlen"),
+    "zset": ("zrange", "zrangebyscore", "zscore", "zcard", "zcount", "zrank"),
+}
+_XGROUP = ("xgroup|create", "xgroup|setid", "xgroup|createconsumer", "xgroup|delconsumer")
+_WRITE = {
+    "hash": ("hset", "hsetnx", "hmset", "hdel", "hincrby", "hincrbyfloat", "hexpire", "hpexpire", "hpersist"),
+    "stream": ("xadd", "xtrim", "xdel", "xack", "xreadgroup", "xautoclaim", "xclaim", *_XGROUP),
+    "string": ("set", "setnx", "getdel", "getex", "incr", "incrby", "decr", "decrby"),
+    "zset": ("zadd", "zrem", "zremrangebyscore", "zincrby", "zpopmin"),
+}
+_READ_ANY = ("exists", "type", "ttl", "pttl")
+_WRITE_ANY = ("del", "unlink", "expire", "pexpire", "persist")
+
+# (component, family name) pairs the component only reads, but passes as a declared key of a Lua script that also
+# writes: Redis checks EVAL's declared keys as read+write ("we cannot tell how the keys will be used"), so these get
+# the read+write selector. Each is a real widening; keep the list short and say where it comes from.
+SCRIPT_READS: frozenset[tuple[Component, str]] = frozenset(
+    {
+        (Component.SERVING, "rollout verdicts"),  # policy.RAISE_STABLE (reloader, strategy direct) reads the verdict
+        (Component.ROLLOUT, "arm statistics"),  # decisions.APPLY snapshots the stable arm's stats into a baseline
+        (Component.OPERATOR, "arm statistics"),  # the same script, for spec.rollout.rollbackTo
+    }
+)
+
+
+def key_prefix(job: str | None) -> str:
+    """The escaped ACL pattern of a job's prefix; ``None``: every job (a Redis shared by several jobs)."""
+    if job is None:
+        return "orl:\\{*\\}:"
+    return "orl:\\{" + escape_glob(job) + "\\}:"
+
+
+def escape_glob(text: str) -> str:
+    """``text`` as a literal inside a Redis glob: every glob-special character (and the braces) backslash-escaped."""
+    return "".join("\\" + ch if ch in "*?[]\\{}" else ch for ch in text)
+
+
+def _families(component: Component) -> tuple[list[Family], list[Family]]:
+    """(families it writes, families it only reads) for ``component``."""
+    writes = [f for f in FAMILIES if f.may_write(component) or (component, f.name) in SCRIPT_READS]
+    reads = [f for f in FAMILIES if f.may_read(component) and f not in writes]
+    return writes, reads
+
+
+def key_selectors(component: Component, job: str | None) -> list[str]:
+    """``~pattern`` (read+write) per family it writes, ``%R~pattern`` per family it only reads."""
+    if component is Component.ADMIN:
+        return ["~*"]
+    writes, reads = _families(component)
+    prefix = key_prefix(job)
+    return [f"~{prefix}{f.pattern}" for f in writes] + [f"%R~{prefix}{f.pattern}" for f in reads]
+
+
+def commands(component: Component) -> list[str]:
+    """The commands ``component`` may run: those of its families' types (read ones for what it reads), sorted."""
+    if component is Component.ADMIN:
+        return ["@all"]
+    writes, reads = _families(component)
+    out = set(CONNECTION) | set(SCRIPTING)
+    for f in writes:
+        out |= set(_READ[f.redis_type]) | set(_WRITE[f.redis_type]) | set(_READ_ANY) | set(_WRITE_ANY)
+    for f in reads:
+        out |= set(_READ[f.redis_type]) | set(_READ_ANY)
+    return sorted(out)
+
+
+def password_hash(password: str) -> str:
+    """What Redis stores for a password (``#<sha256>`` in a rule): the aclfile never holds the password itself."""
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def user_rule(component: Component, job: str | None, password: str, hashed: str | None = None) -> list[str]:
+    """The ACL SETUSER arguments after the user name: reset, on, the password's hash (``hashed``, if given, is used
+    as the hash: a placeholder for a template), keys, channels, commands."""
+    if component is Component.ADMIN:
+        rights = ["&*", "+@all"]
+    else:
+        rights = ["resetchannels", "-@all", *(f"+{c}" for c in commands(component))]
+    secret = f"#{hashed if hashed is not None else password_hash(password)}"
+    return ["reset", "on", secret, *key_selectors(component, job), *rights]
+
+
+def rules(job: str | None, passwords: Mapping[Component, str]) -> dict[str, list[str]]:
+    """Every user's rule (``default`` off) for ``job``: ``{user: [rule, ...]}``. Raises on a missing password."""
+    missing = [c.value for c in USERS if not passwords.get(c)]
+    if missing:
+        raise ValueError(f"Redis ACL: no password for user(s) {', '.join(missing)}")
+    return _lines({c.value: user_rule(c, job, passwords[c]) for c in USERS})
+
+
+def _lines(users: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {**users, DEFAULT_OFF[0]: list(DEFAULT_OFF[1:])}
+
+
+def _text(all_rules: dict[str, list[str]]) -> str:
+    return "".join(f"user {name} {' '.join(rule)}\n" for name, rule in all_rules.items())
+
+
+def aclfile_text(job: str | None, passwords: Mapping[Component, str]) -> str:
+    """The ``aclfile`` a server starts with (``--aclfile``): one ``user`` line per user, hashes only."""
+    return _text(rules(job, passwords))
+
+
+def aclfile_template(job: str | None = None) -> str:
+    """The aclfile with ``@<user>@`` where each password's SHA-256 goes: the helm chart's shared Redis fills it in
+    at start from its Secret (``job`` None: a Redis shared by every job). Generated into the chart (CHART_FILES)."""
+    return _text(_lines({c.value: user_rule(c, job, "", hashed=f"@{c.value}@") for c in USERS}))
+
+
+# The Kubernetes Redis (operator and chart) starts through this script: it fills each password's SHA-256 into the
+# template from ``$ORL_REDIS_PW_<user>`` and execs the server with the aclfile, so rendering stays pure and the
+# aclfile never holds a password. A missing password stops the start (an empty one would open the user).
+PASSWORD_ENV_PREFIX = "ORL_REDIS_PW_"
+TEMPLATE_PATH = "/etc/redis-acl/users.acl.tpl"
+ACLFILE_PATH = "/run/redis-acl/users.acl"
+_STARTUP = """#!/bin/sh
+# Generated by onlinerl.dataplane.acl: fill each ACL user's password hash into the aclfile, then exec the server
+# with it (and this script's arguments).
+set -eu
+umask 077
+tpl="${{ORL_REDIS_ACL_TEMPLATE:-{template}}}"
+out="${{ORL_REDIS_ACL_FILE:-{aclfile}}}"
+cp "$tpl" "$out"
+for u in {users}; do
+  eval "pw=\\${{{prefix}$u:-}}"
+  if [ -z "$pw" ]; then echo "no password for Redis user $u (set {prefix}$u)" >&2; exit 1; fi
+  h=$(printf %s "$pw" | sha256sum | cut -d' ' -f1)
+  sed -i "s/#@$u@ /#$h /" "$out"
+done
+if grep -q "#@" "$out"; then echo "a user of $tpl got no password" >&2; exit 1; fi
+exec "$(command -v valkey-server || command -v redis-server)" "$@" --aclfile "$out"
+"""
+
+
+def startup_script() -> str:
+    """The shell script a Kubernetes Redis starts with (see ``_STARTUP``)."""
+    return _STARTUP.format(
+        template=TEMPLATE_PATH, aclfile=ACLFILE_PATH, prefix=PASSWORD_ENV_PREFIX, users=" ".join(u.value for u in USERS)
+    )
+
+
+def startup_digest(job: str | None) -> str:
+    """Digest of the template and the script: a pod annotation, so a new contract restarts the server."""
+    return hashlib.sha256((aclfile_template(job) + startup_script()).encode()).hexdigest()[:16]
+
+
+CHART_FILES = {
+    "charts/onlinerl/files/redis-users.acl.tpl": aclfile_template,
+    "charts/onlinerl/files/redis-acl-start.sh": startup_script,
+}
+
+
+def rules_digest(job: str | None) -> str:
+    """A digest of the rules without passwords: changes exactly when the contract or the job changes (a pod
+    annotation, so a new contract restarts the server with the new aclfile)."""
+    fixed = {c: "-" for c in USERS}
+    return hashlib.sha256(aclfile_text(job, fixed).encode()).hexdigest()[:16]
+
+
+def new_passwords(components: Iterable[Component] = USERS) -> dict[Component, str]:
+    """A fresh URL-safe password per user (they travel inside Redis URLs unescaped)."""
+    return {c: secrets.token_hex(24) for c in components}
+
+
+def apply(client: Any, job: str | None, passwords: Mapping[Component, str]) -> None:
+    """ACL SETUSER every user on a live server (the caller is allowed to: admin, or the still-open default user);
+    ``default`` is switched off last, so a caller authenticated as ``default`` keeps its connection until then."""
+    all_rules = rules(job, passwords)
+    for name, rule in all_rules.items():
+        if name != DEFAULT_OFF[0]:
+            client.execute_command("ACL", "SETUSER", name, *rule)
+    client.execute_command("ACL", "SETUSER", DEFAULT_OFF[0], *DEFAULT_OFF[1:])
+
+
+def main() -> None:
+    """``python -m onlinerl.dataplane.acl``: regenerate the chart's aclfile template (a test fails when stale)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for rel, render in CHART_FILES.items():
+        (root / rel).write_text(render())
+        print(f"wrote {rel}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The checkpoints family (``checkpoints`` stream): the trainer announces each published version, every serving pod's
+reloader reads the whole stream (no group: each pod must see every announcement), the operator reads it for status.
+
+The announce itself is the fenced script of ``trainer.Lease.announce`` (refused unless the caller holds the lease,
+and unless the version is newer than the last one announced). The entry's fields are ``FIELDS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from onlinerl.dataplane.codec import entries, str_map
+from onlinerl.keys import Keys
+
+FIELDS = ("version", "path", "kind", "manifest_sha256", "created_at", "fence")
+"""An announcement's fields: the version, its folder, ``lora``/``full``, the manifest's digest, when, by which lease."""
+
+
+def last_announced(client: redis.Redis, keys: Keys) -> int:
+    """The newest announced version (0: none yet)."""
+    last = client.xrevrange(keys.checkpoints, count=1)
+    return int(str_map(last[0][1])["version"]) if last else 0
+
+
+async def read_after(
+    client: Any, keys: Keys, last_id: str, count: int = 100, block_ms: int | None = None
+) -> list[tuple[str, dict[str, str]]]:
+    """Announcements after ``last_id`` (``"0"``: from the start), blocking up to ``block_ms`` when given."""
+    kwargs: dict[str, int] = {"count": count} if block_ms is None else {"count": count, "block": block_ms}
+    reply = await client.xread({keys.checkpoints: last_id}, **kwargs)
+    return [(i, str_map(f)) for _stream, raw in reply or () for i, f in entries(raw)]

@@ -1,0 +1,87 @@
+"""Who may touch which key: the data plane's contract as a table (the ACL users are generated from it).
+
+Every Redis key of a job lives under ``orl:{job}:`` (``onlinerl.keys.Keys``). A key family is one kind of key (a
+hash, a stream, a set...) with one typed module in ``onlinerl/dataplane/`` that holds its reader and its writer. This
+table says, per family, which component writes it and which reads it. ``onlinerl.dataplane.acl`` turns it into one
+Redis ACL user per component, so a component that tries to touch a key outside its rights is refused by Redis itself,
+and a test holds the table, the modules and the ACLs to each other.
+
+``pattern`` is the key glob *after* the job prefix (e.g. ``rollouts:*`` is ``orl:{job}:rollouts:*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Component(StrEnum):
+    """A process class with its own Redis user. ``serving`` is the gateway and the reloader of a serving pod."""
+
+    SERVING = "serving"
+    FEEDBACK = "feedback"
+    TRAINER = "trainer"
+    ROLLOUT = "rollout"
+    OPERATOR = "operator"
+    ADMIN = "admin"  # the `onlinerl` CLI (status, policy, eval) and an operator of the product: everything
+
+
+@dataclass(frozen=True)
+class Family:
+    """One key family: its glob under the job prefix, its Redis type, and who writes and who only reads it.
+
+    A stream's consumer (XREADGROUP, XACK, XAUTOCLAIM) is a writer in Redis' ACL terms: reading through a group moves
+    the group's state."""
+
+    name: str
+    pattern: str
+    redis_type: str
+    writers: frozenset[Component]
+    readers: frozenset[Component]
+    module: str  # the onlinerl.dataplane module that holds its reader and writer
+
+    def may_write(self, component: Component) -> bool:
+        return component is Component.ADMIN or component in self.writers
+
+    def may_read(self, component: Component) -> bool:
+        return self.may_write(component) or component in self.readers
+
+
+def _f(name: str, pattern: str, redis_type: str, writers: str, readers: str, module: str) -> Family:
+    return Family(
+        name,
+        pattern,
+        redis_type,
+        frozenset(Component(c) for c in writers.split()),
+        frozenset(Component(c) for c in readers.split()),
+        module,
+    )
+
+
+# name, pattern, type, writers, readers (besides the writers; admin may always do both), module.
+# Checked against the code (wave 3): the policy table has three writers, each of its own fields (rollout and the
+# operator's rollbackTo through decisions.apply, the operator's pinned/paused through policy.set_field, serving's
+# reloader under strategy direct through policy.raise_stable); decisions.apply also writes the verdicts, so the
+# operator writes those too. Holds are written only by `onlinerl eval` (admin); the rollout gate holds nothing.
+# The reloader reads the checkpoints stream with XREAD (no group), so serving only reads it.
+FAMILIES: tuple[Family, ...] = (
+    _f("rollout records", "rollouts:*", "hash", "serving feedback", "", "rollouts"),
+    _f("silence due", "silence:*", "zset", "serving feedback", "", "rollouts"),
+    _f("rollout record index", "rollouts-index:*", "zset", "serving", "", "rollouts"),
+    _f("samples", "samples", "stream", "feedback trainer", "", "samples"),
+    _f("audit", "audit", "stream", "feedback", "", "audit"),
+    _f("idempotency", "seen:*", "string", "feedback", "", "samples"),
+    _f("contribution counters", "contrib:*", "string", "feedback", "", "limits"),
+    _f("user statistics", "ustats:*", "hash", "feedback", "", "limits"),
+    _f("quarantine", "quarantine:*", "string", "feedback", "", "limits"),
+    _f("checkpoints", "checkpoints", "stream", "trainer", "serving", "checkpoints"),
+    _f("policy table", "policy", "hash", "rollout operator serving", "trainer", "policy"),
+    _f("versions", "versions", "hash", "serving", "trainer rollout", "versions"),
+    _f("holds", "holds", "hash", "", "serving", "holds"),
+    _f("arm statistics", "stats:*", "hash", "serving feedback", "rollout operator", "stats"),
+    _f("decisions", "decisions", "stream", "rollout operator", "", "decisions"),
+    _f("rollout verdicts", "rollout", "hash", "rollout operator", "serving", "decisions"),
+    _f("trainer status", "trainer", "hash", "trainer", "operator", "trainer"),
+    _f("trainer lease", "trainer:*", "string", "trainer", "", "trainer"),
+    _f("reloader status", "reloader", "hash", "serving", "", "versions"),
+)

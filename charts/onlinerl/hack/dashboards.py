@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onlinerl.arms import CANDIDATE, STABLE  # the one definition of arm names (run with the project venv)
+
 OUT_DIR = Path(__file__).resolve().parent.parent / "dashboards"
 GRID_WIDTH = 24
 NS = 'namespace=~"$namespace"'
@@ -322,7 +324,7 @@ def learning() -> dict[str, Any]:
         Panel(
             "Accept rate · stable (window)",
             "stat",
-            [(_accept_rate("", arm="stable"), "stable")],
+            [(_accept_rate("", arm=STABLE), STABLE)],
             "percentunit",
             width=4,
             height=5,
@@ -332,7 +334,7 @@ def learning() -> dict[str, Any]:
         Panel(
             "Accept rate · candidate (window)",
             "stat",
-            [(_accept_rate("", arm="candidate"), "candidate")],
+            [(_accept_rate("", arm=CANDIDATE), CANDIDATE)],
             "percentunit",
             width=4,
             height=5,
@@ -342,7 +344,7 @@ def learning() -> dict[str, Any]:
         Panel(
             "Stable version",
             "stat",
-            [(f"max({sel('onlinerl_serving_policy_version', role='stable')})", "stable")],
+            [(f"max({sel('onlinerl_serving_policy_version', role=STABLE)})", STABLE)],
             width=4,
             height=5,
             decimals=0,
@@ -350,7 +352,7 @@ def learning() -> dict[str, Any]:
         Panel(
             "Candidate version",
             "stat",
-            [(f"max({sel('onlinerl_serving_policy_version', role='candidate')})", "candidate")],
+            [(f"max({sel('onlinerl_serving_policy_version', role=CANDIDATE)})", CANDIDATE)],
             width=4,
             height=5,
             decimals=0,
@@ -464,6 +466,42 @@ def learning() -> dict[str, Any]:
             ],
             "ops",
             width=12,
+        ),
+        Panel(
+            "Live figures (canary, blue/green watch)",
+            "timeseries",
+            [
+                (
+                    f"max by (version, arm, figure) ({sel('onlinerl_rollout_live_figure')})",
+                    "v{{version}} {{arm}} {{figure}}",
+                )
+            ],
+            width=12,
+            description="The figures the controller's live decision compares, guardrails included (accepted "
+            "characters per 100 requests, suggestion rate, mean shown length, empty rate).",
+        ),
+        Panel(
+            "Gate figures",
+            "timeseries",
+            [
+                (
+                    f"max by (version, arm, figure) ({sel('onlinerl_rollout_gate_figure')})",
+                    "v{{version}} {{arm}} {{figure}}",
+                )
+            ],
+            width=12,
+            description="The eval gate's held-out figures of the candidate and of stable.",
+        ),
+        Panel(
+            "Guardrail breaches and blue/green switch",
+            "timeseries",
+            [
+                (f"max by (source) ({sel('onlinerl_rollout_guardrail_breaches')})", "breaches {{source}}"),
+                (f"max({sel('onlinerl_rollout_candidate_has_all_traffic')})", "candidate has all traffic"),
+            ],
+            width=24,
+            decimals=0,
+            min=0,
         ),
     ]
     return dashboard(
@@ -681,6 +719,18 @@ def trainer() -> dict[str, Any]:
             "timeseries",
             [(gauge("onlinerl_trainer_entropy"), "entropy"), (gauge("onlinerl_trainer_grad_norm"), "grad norm")],
             width=8,
+        ),
+        Panel(
+            "KL to base, rejections' share, entropy band",
+            "timeseries",
+            [
+                (gauge("onlinerl_trainer_kl_to_base"), "KL to base (adapter off)"),
+                (gauge("onlinerl_trainer_negative_advantage_share"), "share of samples with negative advantage"),
+                (gauge("onlinerl_trainer_entropy_out_of_band"), "entropy out of band"),
+            ],
+            width=24,
+            description="Rejections carry gradient when the negative-advantage share is above 0; the KL to the base "
+            "policy and the entropy band say whether the policy is collapsing or flattening.",
         ),
         Row("Throughput and staleness"),
         Panel(
@@ -950,6 +1000,20 @@ def serving() -> dict[str, Any]:
             "s",
             width=8,
             description="Time the gateway adds on top of vLLM (routing, recording the rollout).",
+        ),
+        Panel(
+            "Rollout records evicted by the per-tenant cap",
+            "timeseries",
+            [
+                (
+                    f"sum by (tenant) (rate({sel('onlinerl_serving_rollout_records_evicted_total')}[$__rate_interval]))",
+                    "{{tenant}}",
+                )
+            ],
+            "ops",
+            width=24,
+            description="Records dropped oldest-first when a tenant exceeds serving.maxRecordsPerTenant: their "
+            "feedback can no longer join. Raise the cap or lower the record TTL.",
         ),
         Row("vLLM engine"),
         Panel(

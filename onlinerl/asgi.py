@@ -24,3 +24,24 @@ def with_hot_route(app: ASGIApp, method: str, path: str, handler: ASGIApp) -> AS
             await app(scope, receive, send)
 
     return asgi
+
+
+async def read_capped(
+    receive: Receive, cap: int, too_large: Callable[[], Exception], disconnected: Callable[[], Exception]
+) -> bytes:
+    """The request body, refusing to buffer more than ``cap`` bytes whatever Content-Length claimed (chunked uploads).
+
+    Each service raises its own error (``too_large()`` over the cap, ``disconnected()`` when the client leaves
+    mid-body): the message names the config field that sets its cap, which only the service knows."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise disconnected()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            raise too_large()
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

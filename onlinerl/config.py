@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from onlinerl import ports
+
 ENV_PREFIX = "ONLINERL__"
 CONFIG_ENV = "ONLINERL_CONFIG"
 
@@ -113,8 +115,8 @@ class ServingConfig(_Section):
     """Gateway in front of vLLM; only ``port`` is exposed outside the pod."""
 
     host: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)
-    engine_url: str = "http://127.0.0.1:8001"
+    port: int = Field(ports.GATEWAY, ge=1, le=65535)
+    engine_url: str = f"http://127.0.0.1:{ports.ENGINE}"
     replicas: int = Field(1, ge=0, le=1000)
     max_prompt_chars: int = Field(32768, ge=1)
     max_tokens_cap: int = Field(4096, ge=1, le=131072)
@@ -226,7 +228,7 @@ class SilenceConfig(_Section):
 
 class FeedbackConfig(_Section):
     host: str = "0.0.0.0"
-    port: int = Field(8002, ge=1, le=65535)
+    port: int = Field(ports.FEEDBACK, ge=1, le=65535)
     replicas: int = Field(1, ge=0, le=1000)
     workers: int = Field(
         1,
@@ -355,7 +357,7 @@ class TrainerConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     suspend: bool = False
-    metrics_port: int = Field(8003, ge=1, le=65535)
+    metrics_port: int = Field(ports.TRAINER_METRICS, ge=1, le=65535)
     tensorboard_dir: str = ""
     torch_threads: int = Field(0, ge=0, description="0 = torch default.")
     seed: int = 0

@@ -118,6 +118,7 @@ class AuditEntry(_Record):
     rollout_id: str = Field("", description="The served rollout the event joined, when it joined one.")
     first_outcome: str = Field("", description="duplicate only: outcome of the delivery that counted.")
     first_entry_id: str = Field("", description="duplicate only: stream id of the delivery that counted.")
+    stream_id: str = Field("", description="trainer only: the samples-stream entry it refused (invalid or stale).")
 
 
 class CompletionOutcome(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from onlinerl import ports
 from onlinerl.loop.local import DEFAULT_STATE
 
 
@@ -13,8 +14,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state", type=Path, default=DEFAULT_STATE, help="state directory (default: .onlinerl)")
     # ports of the processes whose port is not in the job config: a second stack on the same machine needs its own
     p.add_argument("--redis-port", type=int, default=16379, help="embedded valkey (default: 16379)")
-    p.add_argument("--reloader-port", type=int, default=8004, help="reloader health and metrics (default: 8004)")
-    p.add_argument("--rollout-port", type=int, default=8005, help="rollout controller health (default: 8005)")
+    p.add_argument(
+        "--reloader-port", type=int, default=ports.RELOADER, help="reloader health and metrics (default: %(default)s)"
+    )
+    p.add_argument(
+        "--rollout-port", type=int, default=ports.ROLLOUT, help="rollout controller health (default: %(default)s)"
+    )
     p.set_defaults(func=_up)
 
 

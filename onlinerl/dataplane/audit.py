@@ -1,10 +1,13 @@
 """The audit stream (``audit``): feedback events that are not trained on (unmatched, altered, rejected, duplicates,
 over a limit, silences), capped at ``AUDIT_MAXLEN`` entries. Writers: the feedback service (in its append script,
-``samples.APPEND``, or with ``append`` for a duplicate; its silence sweeper). Readers: operators of the product.
+``samples.APPEND``, or with ``append`` for a duplicate; its silence sweeper) and the trainer (``record``: acknowledged
+samples it refuses, invalid or stale, so every acknowledged event is accounted for one by one, not only by a counter).
+Readers: operators of the product.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -19,6 +22,16 @@ AUDIT_MAXLEN = 100_000
 async def append(conn: Caller, keys: Keys, entry: bytes | str) -> str:
     """One capped XADD (a duplicate's audit entry: a round trip only for the duplicate itself); its entry id."""
     return text(await conn.call("XADD", keys.audit, "MAXLEN", "~", AUDIT_MAXLEN, "*", DATA, entry))
+
+
+def record(client: redis.Redis, keys: Keys, entries: Sequence[bytes | str]) -> None:
+    """Capped XADDs of ``entries`` in one round trip (the trainer's refused samples)."""
+    if not entries:
+        return
+    pipe = client.pipeline(transaction=False)
+    for entry in entries:
+        pipe.xadd(keys.audit, {DATA: entry}, maxlen=AUDIT_MAXLEN, approximate=True)
+    pipe.execute()
 
 
 def read(client: redis.Redis, keys: Keys, count: int | None = None, start: str = "-") -> list[tuple[str, Any]]:

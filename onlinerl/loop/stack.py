@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from onlinerl import ports
 from onlinerl.auth import new_api_key, write_keys_file
 from onlinerl.config import OnlineRLConfig
 from onlinerl.dataplane.contract import Component
@@ -45,8 +46,8 @@ class LocalPorts:
     """Ports of the processes whose port is not part of the job config (k8s gives each its own pod)."""
 
     redis: int = 16379
-    reloader: int = 8004
-    rollout: int = 8005
+    reloader: int = ports.RELOADER
+    rollout: int = ports.ROLLOUT
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from onlinerl import ports
+
 GROUP = "onlinerl.dev"
 VERSION = "v1alpha1"
 KIND = "OnlineRLJob"
@@ -31,12 +33,13 @@ CHECKPOINT_DIR = "/checkpoints"
 MODELS_DIR = "/models"
 MODEL_COPY_DIR = "/model"
 
-GATEWAY_PORT = 8000
-ENGINE_PORT = 8001
-FEEDBACK_PORT = 8002
-TRAINER_METRICS_PORT = 8003
-RELOADER_PORT = 8004
-ROLLOUT_PORT = 8005
+# re-exported from onlinerl.ports (defined once for operator, config, local stack and services)
+GATEWAY_PORT = ports.GATEWAY
+ENGINE_PORT = ports.ENGINE
+FEEDBACK_PORT = ports.FEEDBACK
+TRAINER_METRICS_PORT = ports.TRAINER_METRICS
+RELOADER_PORT = ports.RELOADER
+ROLLOUT_PORT = ports.ROLLOUT
 EVAL_DATA_DIR = "/eval-data"
 GATE_EVALUATOR = "onlinerl_rollout.gate_eval:evaluate"
 OPERATOR_PORT = 8080

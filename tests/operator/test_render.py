@@ -85,6 +85,7 @@ def test_cpu_demo_children() -> None:
         ("PersistentVolumeClaim", "demo-checkpoints"),
         ("Service", "demo-redis"),
         ("StatefulSet", "demo-redis"),
+        ("ConfigMap", "demo-redis-acl"),  # the ACL users and the start script that fills in their hashes
         ("Deployment", "demo-serving"),
         ("Service", "demo-serving"),
         ("Deployment", "demo-feedback"),
@@ -117,7 +118,7 @@ def test_cpu_demo_children() -> None:
     assert trainer["command"] == ["python", "-m", "onlinerl_trainer"]
     assert job["spec"]["suspend"] is False and job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     # Redis durability per docs/architecture.md
-    redis_cmd = objs[("StatefulSet", "demo-redis")]["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    redis_cmd = " ".join(objs[("StatefulSet", "demo-redis")]["spec"]["template"]["spec"]["containers"][0]["command"])
     assert "--appendonly yes" in redis_cmd and "--appendfsync always" in redis_cmd and "noeviction" in redis_cmd
     # Secrets mounted, config passed via ONLINERL_CONFIG
     env = {e["name"]: e.get("value") for e in containers["gateway"]["env"]}

@@ -141,6 +141,21 @@ def test_huge_body_is_413(gateway: Gateway) -> None:
     assert_openai_error(resp, 413, "maxPromptChars")
 
 
+def test_chunked_body_over_the_cap_is_413(gateway: Gateway) -> None:
+    """Hostile: no Content-Length (chunked upload); the shared read_capped stops it at the cap, same error body."""
+    cap = MAX_PROMPT_CHARS * 4 + 64 * 1024  # the gateway's body cap for this maxPromptChars
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(cap // 8192 + 2):
+            yield b"x" * 8192
+
+    with gateway.client() as c:
+        resp = c.post("/v1/completions", content=chunks(), headers=auth())
+    err = assert_openai_error(resp, 413, f"over {cap} bytes", "serving.maxPromptChars=2000")
+    assert err["code"] == "body_too_large" and err["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_engine_down_is_fast_503_with_retry_after(gateway: Gateway, stream: bool) -> None:
     with gateway.client() as c:

@@ -11,10 +11,12 @@ import logging
 import math
 import threading
 
+import orjson
 import pytest
 import torch
 
 from onlinerl.config import ConfigError, from_mapping
+from onlinerl.dataplane import audit
 from onlinerl.keys import SAMPLES_GROUP, Keys
 from onlinerl.procs import wait_for
 from onlinerl_trainer.batching import Batch
@@ -224,6 +226,15 @@ def test_hostile_samples_are_acknowledged_counted_and_the_trainer_keeps_running(
         for reason in ("out_of_vocab", "length_mismatch", "bad_logprob", "undecodable")
     }
     assert counts == {"out_of_vocab": 2, "length_mismatch": 1, "bad_logprob": 1, "undecodable": 1}  # NaN: not JSON
+    # Each refused entry is accounted for one by one in the audit stream, not only by a counter.
+    refusals = {
+        entry["stream_id"]: entry["reason"]
+        for entry in (orjson.loads(data) for _, data in audit.read(redis_client, KEYS))
+        if entry["outcome"] == "refused_by_trainer"
+    }
+    assert refusals == dict(
+        zip(hostile, ["out_of_vocab", "out_of_vocab", "length_mismatch", "bad_logprob", "undecodable"], strict=True)
+    )
     assert sorted(manifest_ids(trainer)) == sorted(good + more)
     assert not set(hostile) & set(manifest_ids(trainer))
     assert redis_client.hget(KEYS.trainer_status, "state") == b"stopped"

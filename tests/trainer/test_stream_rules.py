@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import orjson
+
+from onlinerl.dataplane import audit
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyVersionState
 from onlinerl_trainer.batching import StreamSample
@@ -79,6 +82,9 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     stats = trainer.train_on(trainer.collect())
     assert stats is not None and stats["samples"] == 2
     assert counter(trainer, 'onlinerl_trainer_stale_samples_total{action="dropped"}') == 2
+    stale_audit = [orjson.loads(d) for _, d in audit.read(redis_client, Keys(JOB))]
+    stale_audit = {e["stream_id"]: e["reason"] for e in stale_audit if e["reason"].startswith("stale")}
+    assert stale_audit == {sid: "stale: behaviour v3, trainer v5" for sid in stale}  # each drop is on the record
     assert stream_ids(redis_client) == set(fresh)  # trained, waiting for their checkpoint
     assert not set(stale) & set(trainer.pending_ack)
     assert trainer.publish() == 6 and trainer.store.manifest(6).sample_ids == fresh

@@ -27,9 +27,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from onlinerl.asgi import Receive, Scope, Send, with_hot_route
+from onlinerl.asgi import Receive, Scope, Send, read_capped, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig
+from onlinerl.http_errors import error_object, error_type
 from onlinerl.keys import Keys
 from onlinerl.schemas import CompletionOutcome
 from onlinerl.tokens import TokenTable
@@ -67,17 +68,6 @@ class Reject(Exception):
         self.retry_after, self.tenant = retry_after, tenant
 
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-}
-
-
 @dataclass
 class Deps:
     """What the handlers need, built in the lifespan (one Redis client and pipeliner per process)."""
@@ -98,20 +88,14 @@ def redis_client(url: str, connect_timeout: float = 0.5, timeout: float = 2.0) -
     )
 
 
-async def read_capped(receive: Receive, cap: int) -> bytes:
-    """The body, refusing to buffer more than ``cap`` bytes whatever Content-Length claimed (chunked uploads)."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise Reject(400, "client_disconnected", "the client closed the connection before the body was complete")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > cap:
-            raise Reject(413, "body_too_large", f"request body exceeds feedback.maxBodyBytes={cap} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+async def read_body(receive: Receive, cap: int) -> bytes:
+    """The body, at most ``cap`` bytes (``onlinerl.asgi.read_capped``), refused with feedback's own reasons."""
+    return await read_capped(
+        receive,
+        cap,
+        lambda: Reject(413, "body_too_large", f"request body exceeds feedback.maxBodyBytes={cap} bytes"),
+        lambda: Reject(400, "client_disconnected", "the client closed the connection before the body was complete"),
+    )
 
 
 _SUBMIT_HEADERS = frozenset((b"content-length", b"authorization", PROJECT_HEADER))
@@ -187,12 +171,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         body = {
             "status": REJECTED,
             "reason": r.reason,
-            "error": {
-                "message": r.message,
-                "type": _ERROR_TYPES.get(r.code, "invalid_request_error"),
-                "param": r.param,
-                "code": r.reason,
-            },
+            "error": error_object(r.message, type_=error_type(r.code), param=r.param, code=r.reason),
         }
         await reply(send, r.code, body, retry_after_header if r.retry_after else None)
 
@@ -229,7 +208,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             )
         tenant, user = authenticate(headers)
         try:
-            event = parse_event(await read_capped(receive, fb.max_body_bytes))
+            event = parse_event(await read_body(receive, fb.max_body_bytes))
         except Reject as r:
             r.tenant = tenant
             raise

@@ -17,12 +17,13 @@ import time
 
 from prometheus_client import generate_latest
 
+from onlinerl import ports
 from onlinerl.config import ConfigError, load_config
 from onlinerl.httpserve import MetricsHTTPServer
 from onlinerl.redisconn import connect as redis_connect
 from onlinerl_rollout.controller import Evaluator, RolloutController
 
-DEFAULT_PORT = 8005
+DEFAULT_PORT = ports.ROLLOUT
 
 
 def load_evaluator(spec: str) -> Evaluator:

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from onlinerl import ports
 from onlinerl.config import OnlineRLConfig
 from onlinerl.procs import Child, python_module
 from onlinerl_serving.requests import MAX_STOP_SEQUENCES
@@ -23,7 +24,7 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 # record's behaviour log-prob must be log mu(a), mu the distribution the token was sampled from. Appended after
 # serving.vllmArgs so a user flag cannot turn it off (argparse keeps the last value). The operator renders the same.
 BEHAVIOUR_LOGPROBS_ARGS = ("--logprobs-mode", "processed_logprobs")
-DEFAULT_ENGINE_PORT = 8001
+DEFAULT_ENGINE_PORT = ports.ENGINE
 
 
 def on_cpu() -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import orjson
 from starlette.responses import Response
 
+from onlinerl.http_errors import error_body
+
 
 class ApiError(Exception):
     """A request we answer with an error status; ``message`` tells the client what to fix."""
@@ -28,8 +30,7 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
     def body(self) -> bytes:
-        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return orjson.dumps({"error": err})
+        return orjson.dumps(error_body(self.message, type_=self.type, param=self.param, code=self.code))
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
         hdrs = dict(headers or {})

@@ -25,9 +25,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from onlinerl.arms import EVAL, STABLE, Arm
-from onlinerl.asgi import ASGIApp, Receive, Scope, Send, with_hot_route
+from onlinerl.asgi import ASGIApp, Receive, Scope, Send, read_capped, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig, load_config
+from onlinerl.http_errors import error_body
 from onlinerl.keys import Keys
 from onlinerl_serving.capture import RolloutAccumulator, RolloutStore, client_view
 from onlinerl_serving.errors import ApiError, pin_forbidden, unauthorized, unavailable
@@ -180,23 +181,14 @@ class Gateway:
             self.metrics.requests.labels(tenant, arm, str(version), str(code)).inc()
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise ApiError(400, "client disconnected while sending the body")
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise ApiError(
-                    413,
-                    f"request body over {self.max_body} bytes (serving.maxPromptChars="
-                    f"{self.cfg.serving.max_prompt_chars})",
-                    code="body_too_large",
-                )
-            chunks.append(chunk)
-            if not msg.get("more_body"):
-                return b"".join(chunks)
+        return await read_capped(receive, self.max_body, self._body_too_large, _client_disconnected)
+
+    def _body_too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"request body over {self.max_body} bytes (serving.maxPromptChars={self.cfg.serving.max_prompt_chars})",
+            code="body_too_large",
+        )
 
     async def _open_upstream(self, body: bytes) -> UpstreamResponse:
         try:
@@ -441,14 +433,11 @@ class Gateway:
                         self.metrics.ttft.observe(time.perf_counter() - ctx.t0)
                         first = False
             if not done:  # the engine closed the stream early (crash, restart): tell the client, record nothing
-                err = {
-                    "error": {
-                        "message": "the inference engine ended the stream early; retry",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "engine_stream_interrupted",
-                    }
-                }
+                err = error_body(
+                    "the inference engine ended the stream early; retry",
+                    type_="server_error",
+                    code="engine_stream_interrupted",
+                )
                 await send(
                     {"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n", "more_body": False}
                 )
@@ -488,6 +477,10 @@ class _Ctx:
     ) -> None:
         self.req, self.tenant, self.uhash, self.route, self.model = req, tenant, uhash, route, model
         self.rollout_id, self.created_at, self.t0, self.overhead = rollout_id, created_at, t0, overhead
+
+
+def _client_disconnected() -> ApiError:
+    return ApiError(400, "client disconnected while sending the body")
 
 
 async def _nothing() -> None:

@@ -1,6 +1,6 @@
 """The reloader: turns published checkpoints into loaded, warmed, routable versions in this pod's vLLM.
 
-``python -m onlinerl_serving.reloader`` (metrics and health on ``:8004``). One reconcile loop:
+``python -m onlinerl_serving.reloader`` (metrics and health on ``onlinerl.ports.RELOADER``). One reconcile loop:
 
 1. read the ``checkpoints`` stream (from the start on boot, then blocking XREAD);
 2. *want* the newest ``serving.keepVersions`` good versions plus every version the policy table references;
@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from onlinerl import ports
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.dataplane import checkpoints, holds, policy, versions
 from onlinerl.keys import Keys
@@ -49,7 +50,7 @@ from onlinerl_serving.routing import served_model_name
 
 log = logging.getLogger("onlinerl.reloader")
 
-RELOADER_PORT = 8004
+RELOADER_PORT = ports.RELOADER
 
 
 @dataclass

@@ -22,6 +22,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from onlinerl.http_errors import error_body
+
 
 class WeightsUnknown(TimeoutError):
     """No version became known within the caller's timeout (the reloader is switching, or has not reported)."""
@@ -121,4 +123,4 @@ def weights_endpoint(gate: WeightsGate, loopback: set[str]) -> Callable[[Request
 
 
 def _bad(message: str, param: str) -> Response:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param}}, 400)
+    return JSONResponse(error_body(message, param=param), 400)

@@ -14,7 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from onlinerl.config import TrainerConfig
-from onlinerl.schemas import TrainingSample
+from onlinerl.dataplane import audit
+from onlinerl.schemas import AuditEntry, TrainingSample
 from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
 from onlinerl_trainer.batching import StreamSample, staleness_action
 from onlinerl_trainer.metrics import TrainerMetrics
@@ -116,7 +117,8 @@ class SampleFeed:
     def admit(self, entries: list[Entry], version: int) -> Admitted:
         """Trainable samples with their advantages; everything else is acknowledged here (or, when it was trained
         since the last publish, left for the version that holds it)."""
-        samples, discard = self._admissible(entries, version)
+        samples, discard, refused = self._admissible(entries, version)
+        audit.record(self.stream.client, self.stream.keys, refused)  # before the ack: a failed write redelivers
         self.stream.ack(discard)
         if not samples:
             return Admitted([], [])
@@ -131,12 +133,14 @@ class SampleFeed:
         self.stream.ack(inert)
         return Admitted(samples, adv)
 
-    def _admissible(self, entries: list[Entry], version: int) -> tuple[list[StreamSample], list[str]]:
+    def _admissible(self, entries: list[Entry], version: int) -> tuple[list[StreamSample], list[str], list[bytes]]:
         """Skip what was already trained, decode, validate, apply the staleness rule. Returns (trainable samples, ids
-        to acknowledge without training). An id trained since the last publish (or twice in this batch) is skipped but
-        not acknowledged: its acknowledgement comes with the version that holds it."""
+        to acknowledge without training, audit entries of the refused ones). An id trained since the last publish (or
+        twice in this batch) is skipped but not acknowledged: its acknowledgement comes with the version that holds
+        it."""
         keep: list[StreamSample] = []
         discard: list[str] = []
+        refused: list[bytes] = []
         open_version = set(self.open_ids)
         again: list[str] = []
         for e in entries:
@@ -152,6 +156,7 @@ class SampleFeed:
                 log.error("discarding undecodable stream entry %s: %s", e.sample_id, exc)
                 self.metrics.invalid.labels("undecodable").inc()
                 discard.append(e.sample_id)
+                refused.append(_refusal(e.sample_id, None, "undecodable"))
                 continue
             problem = sample_problem(sample, self.vocab_size, self.tcfg.max_seq_len)
             if problem is not None:
@@ -159,6 +164,7 @@ class SampleFeed:
                 counter.labels(problem.reason).inc()
                 log.error("not training stream entry %s (%s): %s", e.sample_id, problem.reason, problem.detail)
                 discard.append(e.sample_id)
+                refused.append(_refusal(e.sample_id, sample, problem.reason))
                 continue
             staleness = max(0, version - sample.policy_version)
             self.metrics.staleness.observe(staleness)
@@ -167,6 +173,9 @@ class SampleFeed:
             if action == "drop":
                 self.metrics.stale.labels("dropped").inc()
                 discard.append(e.sample_id)
+                refused.append(
+                    _refusal(e.sample_id, sample, f"stale: behaviour v{sample.policy_version}, trainer v{version}")
+                )
                 continue
             cap = None
             if action == "downweight":
@@ -178,7 +187,7 @@ class SampleFeed:
             log.warning(
                 "%d entries delivered again are already trained, not training them twice: %s", len(again), again[:5]
             )
-        return keep, discard
+        return keep, discard, refused
 
     def _without_inert(
         self, samples: list[StreamSample], adv: list[float]
@@ -210,3 +219,15 @@ class SampleFeed:
         """The set holds the ids of kept manifests, as a restart would rebuild it."""
         for v in pruned:
             self.trained_ids.difference_update(self.trained_by_version.pop(v, ()))
+
+
+def _refusal(stream_id: str, sample: TrainingSample | None, reason: str) -> bytes:
+    """The audit entry of a sample the trainer acknowledges without training (``sample`` None: undecodable)."""
+    return AuditEntry(
+        event_id=sample.event_id if sample else "",
+        tenant=sample.tenant if sample else "",
+        outcome="refused_by_trainer",
+        reason=reason,
+        rollout_id=sample.rollout_id if sample else "",
+        stream_id=stream_id,
+    ).to_json()

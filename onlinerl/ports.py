@@ -1,0 +1,15 @@
+"""Every fixed port of a job, defined once (docs/architecture.md: ports).
+
+The config defaults, the operator's manifests, the local stack (``onlinerl up``) and the services' own ``--port``
+defaults all read these, so a port moves in one place. Ports that a job's config can override (gateway, feedback,
+trainer metrics) are only the defaults here; the config value wins.
+"""
+
+from __future__ import annotations
+
+GATEWAY = 8000  # serving.port: the OpenAI-compatible API, the only port that leaves the serving pod
+ENGINE = 8001  # vLLM, bound to 127.0.0.1 inside the serving pod
+FEEDBACK = 8002  # feedback.port: Continue's completion tracking
+TRAINER_METRICS = 8003  # trainer.metricsPort: /metrics and /healthz of the trainer
+RELOADER = 8004  # reloader's /metrics and /healthz (env ONLINERL_RELOADER_PORT overrides)
+ROLLOUT = 8005  # rollout controller's /metrics and /healthz (env ONLINERL_ROLLOUT_PORT overrides)

@@ -157,7 +157,7 @@ def test_long_served_prompt_is_trained_whole_or_dropped_never_cut(stack: Stack, 
     trainer = SeeingTrainer(stack.cfg, rclient, Path(stack.cfg.model.path))
     trainer.start()
     entries = trainer.collect()
-    served = [TrainingSample.from_json(e.fields[b"data"]) for e in entries]
+    served = [TrainingSample.from_json(e.data) for e in entries]
     stats = trainer.train_on(entries)
     assert stats is not None and stats["samples"] == len(served)
     longest = max(len(s.prompt_token_ids) for s in served)

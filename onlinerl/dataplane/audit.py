@@ -1,7 +1,8 @@
 """The audit stream (``audit``): feedback events that are not trained on (unmatched, altered, rejected, duplicates,
 over a limit, silences), capped at ``AUDIT_MAXLEN`` entries. Writers: the feedback service (in its append script,
-``samples.APPEND``, or with ``append`` for a duplicate; its silence sweeper) and the trainer (``record``: acknowledged
-samples it refuses, invalid or stale, so every acknowledged event is accounted for one by one, not only by a counter).
+``samples.APPEND``, or with ``append`` for a duplicate; its silence sweeper), the trainer (``record``: acknowledged
+samples it refuses, invalid or stale, so every acknowledged event is accounted for one by one, not only by a counter)
+and serving's reloader (``record_async``: checkpoint announcements and folders it refuses).
 Readers: operators of the product.
 """
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
 from onlinerl.dataplane.codec import DATA, entries, text
 from onlinerl.dataplane.scripts import Caller
@@ -32,6 +34,16 @@ def record(client: redis.Redis, keys: Keys, entries: Sequence[bytes | str]) -> N
     for entry in entries:
         pipe.xadd(keys.audit, {DATA: entry}, maxlen=AUDIT_MAXLEN, approximate=True)
     pipe.execute()
+
+
+async def record_async(client: aioredis.Redis, keys: Keys, entries: Sequence[bytes | str]) -> None:
+    """``record`` on an asyncio client (the reloader)."""
+    if not entries:
+        return
+    pipe = client.pipeline(transaction=False)
+    for entry in entries:
+        pipe.xadd(keys.audit, {DATA: entry}, maxlen=AUDIT_MAXLEN, approximate=True)
+    await pipe.execute()
 
 
 def read(client: redis.Redis, keys: Keys, count: int | None = None, start: str = "-") -> list[tuple[str, Any]]:

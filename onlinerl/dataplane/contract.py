@@ -69,7 +69,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("silence due", "silence:*", "zset", "serving feedback", "", "rollouts"),
     _f("rollout record index", "rollouts-index:*", "zset", "serving", "", "rollouts"),
     _f("samples", "samples", "stream", "feedback trainer", "", "samples"),
-    _f("audit", "audit", "stream", "feedback trainer", "", "audit"),
+    _f("audit", "audit", "stream", "feedback trainer serving", "", "audit"),
     _f("idempotency", "seen:*", "string", "feedback", "", "samples"),
     _f("contribution counters", "contrib:*", "string", "feedback", "", "limits"),
     _f("user statistics", "ustats:*", "hash", "feedback", "", "limits"),

@@ -14,11 +14,13 @@ import os
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
 
 from onlinerl.config import from_mapping
+from onlinerl.dataplane import audit
 from onlinerl.keys import Keys
 from onlinerl.procs import wait_for
 from onlinerl.schemas import CheckpointManifest
@@ -118,6 +120,11 @@ def test_poisoned_announcements_are_refused_and_good_ones_after_them_are_taken(t
                     "checksum_mismatch": 1,
                 }
                 assert refused(rl)["symlink_escape"] == 2
+                # Every refusal is on the audit stream too, one entry each, with its reason.
+                audited = [orjson.loads(d) for _, d in audit.read(redis_client, Keys(JOB))]
+                assert sorted(e["reason"] for e in audited if e["outcome"] == "refused_by_reloader") == sorted(
+                    reason for reason, n in refused(rl).items() for _ in range(int(n))
+                )
                 assert "says job=poison v5" in rl.versions[4].error and "sha256 differs" in rl.versions[5].error
                 for v in (1, 2):
                     await asyncio.to_thread(rl.validate, v)

@@ -40,9 +40,9 @@ from starlette.routing import Route
 
 from onlinerl import ports
 from onlinerl.config import OnlineRLConfig, load_config
-from onlinerl.dataplane import checkpoints, holds, policy, versions
+from onlinerl.dataplane import audit, checkpoints, holds, policy, versions
 from onlinerl.keys import Keys
-from onlinerl.schemas import PolicyTable, PolicyVersionState
+from onlinerl.schemas import AuditEntry, PolicyTable, PolicyVersionState
 from onlinerl_serving.checkpoints import Announcement, CheckpointError, confine, validate
 from onlinerl_serving.engine_admin import EngineAdmin, EngineError
 from onlinerl_serving.metrics import ReloaderMetrics
@@ -92,6 +92,7 @@ class Reloader:
         self.opt = options or ReloaderOptions()
         self.versions: dict[int, Version] = {}
         self.last_id = "0-0"
+        self.refusals: list[bytes] = []  # audit entries of refused announcements, not yet written
         self.engine_seen_up = False
         self.holding: int | None = None  # full-weight mode: what vLLM's one model holds (None: not known)
         self.base_next_attempt = 0.0  # full-weight mode: retry backoff for reloading the base model (v0)
@@ -109,9 +110,19 @@ class Reloader:
 
     # --- stream ---------------------------------------------------------------------------------------------------
     def _refuse(self, what: str, exc: CheckpointError) -> None:
-        """An announcement (or its folder) we will not load: an ERROR line and the metric; the loop goes on."""
+        """An announcement (or its folder) we will not load: an ERROR line, the metric and an audit entry (written by
+        ``_write_refusals``); the loop goes on."""
         self.metrics.refused.labels(exc.reason).inc()
         log.error("refused %s (%s): %s", what, exc.reason, exc)
+        self.refusals.append(
+            AuditEntry(event_id=what, tenant="", outcome="refused_by_reloader", reason=exc.reason).to_json()
+        )
+
+    async def _write_refusals(self) -> None:
+        """Audit what was refused; kept for the next try if Redis fails (the refusal itself already stands)."""
+        if self.refusals:
+            await audit.record_async(self.redis, self.keys, self.refusals)
+            self.refusals = []
 
     def _register(self, entry_id: Any, fields: dict[Any, Any]) -> None:
         """Take an announcement only if its path is the announced version's folder (checkpoints.confine): a poisoned
@@ -141,6 +152,7 @@ class Reloader:
         for entry_id, fields in await checkpoints.read_after(self.redis, self.keys, self.last_id, 100, block_ms):
             self._register(entry_id, fields)
             self.last_id = entry_id
+        await self._write_refusals()
 
     # --- decisions ------------------------------------------------------------------------------------------------
     async def policy(self) -> PolicyTable:
@@ -245,6 +257,7 @@ class Reloader:
             await self.admin.warm_up(self.model_name(v))
         except CheckpointError as exc:
             self._refuse(f"v{v} at {s.ann.path}", exc)
+            await self._write_refusals()
             await self._load_failed(v, str(exc))
             return False
         except (EngineError, OSError) as exc:
@@ -314,6 +327,7 @@ class Reloader:
             await asyncio.to_thread(self.validate, v)
         except CheckpointError as exc:
             self._refuse(f"v{v} at {s.ann.path}", exc)
+            await self._write_refusals()
             await self._load_failed(v, str(exc))
             return False
         except OSError as exc:

@@ -95,6 +95,20 @@ class Lease:
         self._scripts = {"renew": _RENEW, "release": _RELEASE, "announce": _ANNOUNCE, "ack": _ACK}
         self._renewer: threading.Thread | None = None
         self._stop_renew = threading.Event()
+        self.last_renewed = 0.0  # monotonic time of the last renewal (or of taking the lease)
+
+    def health(self) -> tuple[bool, str]:
+        """The trainer's ``/healthz``: it fails when this trainer can no longer do its job — the lease is lost, or
+        Redis has not answered a renewal for two thirds of the TTL — so the orchestrator restarts it. A standby
+        waiting for the lease is healthy: waiting is its job."""
+        if self.lost.is_set():
+            return False, "the trainer lease is lost (taken over, or not renewed for its whole TTL)"
+        if not self.token or self._renewer is None:
+            return True, "waiting for the trainer lease"
+        quiet = time.monotonic() - self.last_renewed
+        if quiet > self.ttl_ms / 1000 * 2 / 3:
+            return False, f"could not renew the trainer lease for {quiet:.1f} s (is Redis reachable?)"
+        return True, f"training: lease held with fencing token {self.token}"
 
     # --- holding ------------------------------------------------------------------------------------------------
     def try_acquire(self) -> str | None:
@@ -158,15 +172,16 @@ class Lease:
             return
         self._stop_renew.clear()
 
+        self.last_renewed = time.monotonic()
+
         def loop() -> None:
-            renewed = time.monotonic()
             while not self._stop_renew.wait(self.ttl_ms / 3000):
                 try:
                     if not self.renew():
                         return
-                    renewed = time.monotonic()
+                    self.last_renewed = time.monotonic()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    if time.monotonic() - renewed >= self.ttl_ms / 1000:
+                    if time.monotonic() - self.last_renewed >= self.ttl_ms / 1000:
                         log.error("could not renew the trainer lease for its whole TTL (%s): it is lost", exc)
                         self.lost.set()
                         return

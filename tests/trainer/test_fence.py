@@ -8,21 +8,24 @@ announced lineage never forks.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import yaml
 
 from onlinerl.keys import SAMPLES_GROUP, Keys
 from onlinerl.procs import Child, python_module, wait_for
-from onlinerl.valkey import free_port
+from onlinerl.valkey import EmbeddedValkey, free_port
 from onlinerl_trainer.checkpoint import CheckpointStore
 from onlinerl_trainer.fence import FencedOut, Lease
+from onlinerl_trainer.metrics import MetricsServer, TrainerMetrics
 from onlinerl_trainer.trainer import Trainer
 
 from .conftest import JOB, make_sample, stream_ids, trainer_config, xadd_samples
@@ -240,3 +243,31 @@ def test_a_folder_off_the_resumed_lineage_does_not_count_as_trained(tmp_path, re
     assert second.train_on(second.collect())["samples"] == 8.0
     assert second.publish() == 4 and store.manifest(4).sample_ids == c_ids and stream_ids(r) == set()
     second.close()
+
+
+def test_healthz_fails_when_the_trainer_can_no_longer_renew_its_lease(tmp_path: Path) -> None:
+    """A trainer cut off from Redis cannot publish or acknowledge: its /healthz must say so (503 with the reason), so
+    the orchestrator restarts it; a standby waiting for the lease is healthy."""
+    vk = EmbeddedValkey(tmp_path / "valkey", durable=False).start()
+    client = redis.Redis.from_url(vk.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    lease = Lease(client, Keys("health"), "trainer-a", ttl_ms=900)
+    server = MetricsServer(TrainerMetrics(), "127.0.0.1", 0, health=lease.health).start()
+    url = f"http://127.0.0.1:{server.port}/healthz"
+    try:
+        waiting = httpx.get(url, timeout=5)
+        assert (waiting.status_code, waiting.text) == (200, "waiting for the trainer lease")
+        assert lease.acquire()
+        held = httpx.get(url, timeout=5)
+        assert held.status_code == 200 and held.text == f"training: lease held with fencing token {lease.token}"
+        vk.stop()  # Redis gone: renewals fail
+        wait_for(lambda: httpx.get(url, timeout=5).status_code == 503, timeout=10, what="/healthz failing")
+        assert "could not renew the trainer lease" in httpx.get(url, timeout=5).text or lease.lost.is_set()
+        wait_for(lease.lost.is_set, timeout=10, what="the lease given up after its whole TTL")
+        lost = httpx.get(url, timeout=5)
+        assert lost.status_code == 503 and "the trainer lease is lost" in lost.text
+    finally:
+        server.stop()
+        with contextlib.suppress(redis.ConnectionError):  # Redis is gone by now: release stops the renewer first
+            lease.release()
+        client.close()
+        vk.stop()

@@ -66,7 +66,6 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = TrainerMetrics()
-    server = MetricsServer(metrics, "0.0.0.0", cfg.trainer.metrics_port).start()
     # Blocking XREADGROUP waits at most Trainer.collect's poll (0.5 s): the reply deadline stays above it.
     client = redis_connect(cfg.redis, longest_block_seconds=1.0, health_check_interval=30)
     keys = Keys(cfg.job)
@@ -76,6 +75,7 @@ def main() -> int:
         os.environ.get("ONLINERL_TRAINER_HOLDER") or default_holder(),
         ttl_ms=int(float(os.environ.get("ONLINERL_TRAINER_LEASE_SECONDS", "15")) * 1000),
     )
+    server = MetricsServer(metrics, "0.0.0.0", cfg.trainer.metrics_port, health=lease.health).start()
     trainer = None
     try:
         # 1. The lease first: nothing is read from disk or the stream until this is the only trainer of the job.

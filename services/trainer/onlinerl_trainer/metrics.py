@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from onlinerl.httpserve import MetricsHTTPServer
+from onlinerl.httpserve import Health, MetricsHTTPServer, always_healthy
 
 # gauge name suffix -> key in the update statistics
 STAT_GAUGES = {
@@ -126,5 +126,5 @@ class TrainerMetrics:
 class MetricsServer(MetricsHTTPServer):
     """``/metrics`` and ``/healthz`` of the trainer (the shared stdlib server: the trainer has no web framework)."""
 
-    def __init__(self, metrics: TrainerMetrics, host: str, port: int) -> None:
-        super().__init__(metrics.render, host, port, name="trainer-metrics")
+    def __init__(self, metrics: TrainerMetrics, host: str, port: int, health: Health = always_healthy) -> None:
+        super().__init__(metrics.render, host, port, health=health, name="trainer-metrics")

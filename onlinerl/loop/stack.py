@@ -1,7 +1,7 @@
 """``onlinerl up``: the whole loop on one machine, on embedded defaults.
 
 Order: valkey (persistent) -> model bootstrap -> data set -> API key -> vLLM -> gateway, reloader, feedback, trainer
-(-> rollout controller when ``rollout.strategy: canary``). Each step waits on a health check with a deadline and
+(-> rollout controller unless ``rollout.strategy: direct``). Each step waits on a health check with a deadline and
 fails with the child's log tail. Logs go to ``<state>/logs/``. Once up, a child that dies is restarted with backoff
 (:class:`onlinerl.procs.Supervisor`); only repeated quick deaths stop the stack. Ctrl-C stops everything in reverse
 order. State (Redis data, checkpoints, keys, the Redis users' passwords) lives in ``<state>/``, so starting again

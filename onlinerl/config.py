@@ -156,6 +156,12 @@ class ServingConfig(_Section):
     gpus: int = Field(0, ge=0, le=64, description="k8s: GPUs per serving replica (0 = vLLM on CPU).")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
+    @property
+    def max_body_bytes(self) -> int:
+        """Largest request body the gateway (and the local balancer in front of it) reads: the UTF-8 worst case of
+        ``maxPromptChars`` plus the other fields."""
+        return self.max_prompt_chars * 4 + 64 * 1024
+
 
 class RewardConfig(_Section):
     """Reward per outcome.
@@ -251,6 +257,10 @@ class FeedbackConfig(_Section):
 
 
 class StalenessConfig(_Section):
+    """How far behind a sample's version may be. Counted against the newest version serving may give users (the
+    policy table's stable or candidate, at most the trainer's own): under a canary the trainer writes versions faster
+    than they are promoted, and stable's samples must not age out while stable is what users are served."""
+
     max_versions: int = Field(4, ge=0)
     mode: Literal["drop", "truncate"] = "drop"
     truncate_weight: float = Field(1.0, gt=0, description="Cap on the importance weight of a stale sample.")
@@ -394,6 +404,11 @@ class GateConfig(_Section):
     With ``evalSamples`` records per version the figures are noisy (64 records, 20 accepts: about 20 % relative
     error on accepted characters), so the gate's bars are coarse screens for broken or degenerate policies; the
     canary, on live traffic with sequential tests, is where a candidate earns its promotion.
+
+    Full-weight mode (one version in vLLM) evaluates stable while it serves, then *previews* the candidate: the
+    reloader swaps vLLM's weights to it while the gateway holds user requests and lets only the gate's eval requests
+    through (recorded as arm ``eval``); the verdict either keeps those weights for the blue/green switch (pass) or
+    swaps stable back (fail). ``previewTimeoutSeconds`` bounds how long users can be held.
     """
 
     enabled: bool = True
@@ -414,6 +429,14 @@ class GateConfig(_Section):
     min_length_ratio: float = Field(0.25, ge=0, description="Guardrail: mean shown length >= this x stable's.")
     max_length_ratio: float = Field(4.0, ge=1, description="Guardrail: mean shown length <= this x stable's.")
     eval_samples: int = Field(64, ge=1)
+    preview_timeout_seconds: float = Field(
+        180.0,
+        gt=0,
+        le=3600,
+        description="Full-weight mode: longest time vLLM may hold a candidate for the gate's eval (user requests wait "
+        "meanwhile, up to serving.requestTimeoutSeconds, then 503 + Retry-After); past it stable is restored and the "
+        "gate retried later. Sized for CPU: a weight swap plus evalSamples requests.",
+    )
 
 
 class GuardrailConfig(_Section):
@@ -453,8 +476,10 @@ class RolloutConfig(_Section):
     traffic through the canary controller (promote / rollback). ``bluegreen`` (default with ``weightsMode: full``,
     which serves one version at a time): the eval gate, then the switch of all traffic to the candidate (policy
     ``canary_share`` 1), then a live watch window judged by the same decision function against a frozen snapshot of
-    stable's figures, ending in keep (promote) or an automatic switch back (rollback). ``direct``: the reloader makes
-    each loaded version stable at once, with nothing between a checkpoint and every user.
+    stable's figures, ending in keep (promote) or an automatic switch back (rollback); its gate evaluates a candidate
+    vLLM does not hold yet in a *preview* (``gate.previewTimeoutSeconds``: the candidate's weights serve only the
+    gate's eval requests while user requests wait; pass keeps them, fail swaps stable back). ``direct``: the reloader
+    makes each loaded version stable at once, with nothing between a checkpoint and every user.
 
     The defaults let the local loop (2 CPU cores, a few requests per second) move within minutes while staying
     honest: every verdict is a Bayesian test at doubling looks with alpha spending, so the chance of ever promoting
@@ -579,6 +604,13 @@ class OnlineRLConfig(_Section):
     """The whole configuration: one object, one shape, for every component and for the CRD spec."""
 
     job: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=48)
+    profile: Literal["auto", "cpu", "none"] = Field(
+        "auto",
+        description="Hardware profile `onlinerl up` applies to the fields a config leaves unset "
+        "(onlinerl/profiles.py): auto = cpu when the machine has no GPU (last-8-layer LoRA, one trainer thread, "
+        "1024-token context, 4 PPO epochs at lr 2e-4, a version every 2 steps), else none (the documented "
+        "defaults). Not applied on Kubernetes.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)

@@ -98,9 +98,15 @@ class Keys:
         return f"{self.prefix}policy"
 
     @property
-    def versions(self) -> str:
-        """Hash ``version -> PolicyVersionState JSON`` kept by the reloader (loaded, failed, retired...)."""
-        return f"{self.prefix}versions"
+    def replicas(self) -> str:
+        """Sorted set ``replica id -> heartbeat deadline`` (unix s, the server's clock): the live serving replicas are
+        those whose deadline is ahead (onlinerl/dataplane/versions.py)."""
+        return f"{self.prefix}replicas"
+
+    def replica_versions(self, replica: str) -> str:
+        """Hash ``version -> PolicyVersionState JSON`` of one serving replica's reloader (expires with its heartbeat).
+        ``replica`` must pass ``versions.valid_replica`` (no glob, brace or colon characters)."""
+        return f"{self.prefix}versions:{replica}"
 
     @property
     def holds(self) -> str:

@@ -13,3 +13,4 @@ FEEDBACK = 8002  # feedback.port: Continue's completion tracking
 TRAINER_METRICS = 8003  # trainer.metricsPort: /metrics and /healthz of the trainer
 RELOADER = 8004  # reloader's /metrics and /healthz (env ONLINERL_RELOADER_PORT overrides)
 ROLLOUT = 8005  # rollout controller's /metrics and /healthz (env ONLINERL_ROLLOUT_PORT overrides)
+REPLICA_BASE = 18100  # `onlinerl up`, N > 1 serving replicas: replica i on +10 i (gateway), +1 (vLLM), +2 (reloader)

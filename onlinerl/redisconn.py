@@ -27,6 +27,13 @@ def connect(cfg: RedisConfig, url: str | None = None, longest_block_seconds: flo
     """A synchronous client for ``url`` (default ``cfg.url``) with deadlines."""
     import redis
 
+    if not (url or cfg.url):
+        from onlinerl.config import ConfigError
+
+        raise ConfigError(
+            "no Redis URL: set redis.url (or ONLINERL__REDIS__URL). A local stack's is in the config `onlinerl up` "
+            "wrote into its state directory (<state>/config.yaml): drop --config to use it"
+        )
     return redis.Redis.from_url(url or cfg.url, **{**timeouts(cfg, longest_block_seconds), **kw})
 
 

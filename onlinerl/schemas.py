@@ -173,7 +173,17 @@ class PolicyTable(BaseModel):
         description="stable a human fixed (rollback, pin): under strategy direct the reloader never raises stable "
         "while set; the next manual decision (resume) clears it",
     )
+    preview: int | None = Field(
+        None,
+        description="full-weight mode: the version the eval gate previews (vLLM holds it for eval requests only, "
+        "user requests wait); set and cleared by the rollout controller, ignored after preview_until",
+    )
+    preview_until: float = Field(0.0, description="wall-clock end of the preview: past it the reloader restores stable")
     updated_at: float = 0.0
+
+    def previewing(self, now: float) -> int | None:
+        """The version under preview at ``now`` (None: none, or its deadline has passed)."""
+        return self.preview if self.preview is not None and now < self.preview_until else None
 
     def to_redis(self) -> dict[str, str]:
         return {
@@ -183,6 +193,8 @@ class PolicyTable(BaseModel):
             "pinned": "" if self.pinned is None else str(self.pinned),
             "paused": "1" if self.paused else "0",
             "hold": "" if self.hold is None else str(self.hold),
+            "preview": "" if self.preview is None else str(self.preview),
+            "preview_until": repr(self.preview_until),
             "updated_at": repr(self.updated_at or time.time()),
         }
 
@@ -203,16 +215,21 @@ class PolicyTable(BaseModel):
             pinned=opt_int("pinned"),
             paused=d.get("paused") == "1",
             hold=opt_int("hold"),
+            preview=opt_int("preview"),
+            preview_until=float(d.get("preview_until") or 0.0),
             updated_at=float(d.get("updated_at") or 0.0),
         )
 
 
 class PolicyVersionState(_Record):
     """What the reloader knows of one version (Redis hash ``versions``). ``ready``: full-weight mode, the manifest
-    checked and the weights switchable, but not in vLLM (one version at a time): the blue/green gate may take it."""
+    checked and the weights switchable, but not in vLLM (one version at a time): the blue/green gate may take it.
+    ``previewing``: full-weight mode, vLLM holds it for the eval gate's requests only (user requests wait)."""
 
     version: int
-    state: Literal["announced", "loading", "loaded", "ready", "failed", "retired", "gate_failed"] = "announced"
+    state: Literal["announced", "loading", "loaded", "ready", "previewing", "failed", "retired", "gate_failed"] = (
+        "announced"
+    )
     path: str = ""
     served_model: str = ""
     failures: int = 0

@@ -20,15 +20,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rollout-port", type=int, default=ports.ROLLOUT, help="rollout controller health (default: %(default)s)"
     )
+    p.add_argument(
+        "--serving-replicas",
+        type=int,
+        default=None,
+        help="serving replicas (vLLM + gateway + reloader each) behind the one gateway port (default: serving.replicas"
+        " of the config, 1)",
+    )
+    p.add_argument(
+        "--replica-base-port",
+        type=int,
+        default=ports.REPLICA_BASE,
+        help="with 2+ replicas, replica i listens on BASE+10i (gateway), +1 (vLLM), +2 (reloader); "
+        "default: %(default)s",
+    )
     p.set_defaults(func=_up)
 
 
 def _up(args: argparse.Namespace) -> int:
     from onlinerl.config import load_config
-    from onlinerl.loop.stack import LocalPorts, banner, run_forever, start_stack
+    from onlinerl.loop.stack import LocalPorts, banner, run_forever, start_stack, with_serving_replicas
+    from onlinerl.profiles import with_local_profile
 
-    cfg = load_config(args.config)
-    ports = LocalPorts(redis=args.redis_port, reloader=args.reloader_port, rollout=args.rollout_port)
+    cfg = with_local_profile(load_config(args.config))
+    if args.serving_replicas is not None:
+        cfg = with_serving_replicas(cfg, args.serving_replicas)
+    ports = LocalPorts(
+        redis=args.redis_port,
+        reloader=args.reloader_port,
+        rollout=args.rollout_port,
+        replica_base=args.replica_base_port,
+    )
     try:
         stack = start_stack(cfg, args.state, ports=ports)
     except KeyboardInterrupt:

@@ -62,8 +62,11 @@ def _f(name: str, pattern: str, redis_type: str, writers: str, readers: str, mod
 # Checked against the code (wave 3): the policy table has three writers, each of its own fields (rollout and the
 # operator's rollbackTo through decisions.apply, the operator's pinned/paused through policy.set_field, serving's
 # reloader under strategy direct through policy.raise_stable); decisions.apply also writes the verdicts, so the
-# operator writes those too. Holds are written only by `onlinerl eval` (admin); the rollout gate holds nothing.
+# operator writes those too. Holds are written by `onlinerl eval` (admin) and the rollout gate's evaluation (wave 4:
+# the versions it compares were retired under it while the trainer kept publishing).
 # The reloader reads the checkpoints stream with XREAD (no group), so serving only reads it.
+# Each serving replica writes only its own ``versions:{replica}`` hash and its heartbeat in ``replicas`` (wave 4);
+# the trainer reads holds to never prune a version an evaluation uses.
 FAMILIES: tuple[Family, ...] = (
     _f("rollout records", "rollouts:*", "hash", "serving feedback", "", "rollouts"),
     _f("silence due", "silence:*", "zset", "serving feedback", "", "rollouts"),
@@ -76,8 +79,9 @@ FAMILIES: tuple[Family, ...] = (
     _f("quarantine", "quarantine:*", "string", "feedback", "", "limits"),
     _f("checkpoints", "checkpoints", "stream", "trainer", "serving", "checkpoints"),
     _f("policy table", "policy", "hash", "rollout operator serving", "trainer", "policy"),
-    _f("versions", "versions", "hash", "serving", "trainer rollout", "versions"),
-    _f("holds", "holds", "hash", "", "serving", "holds"),
+    _f("replica versions", "versions:*", "hash", "serving", "trainer rollout operator", "versions"),
+    _f("replicas", "replicas", "zset", "serving", "trainer rollout operator", "versions"),
+    _f("holds", "holds", "hash", "rollout", "serving trainer", "holds"),
     _f("arm statistics", "stats:*", "hash", "serving feedback", "rollout operator", "stats"),
     _f("decisions", "decisions", "stream", "rollout operator", "", "decisions"),
     _f("rollout verdicts", "rollout", "hash", "rollout operator", "serving", "decisions"),

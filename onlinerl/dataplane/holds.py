@@ -2,9 +2,11 @@
 
 Without a hold, a trainer that keeps publishing makes the reloader retire an older version in the middle of its
 evaluation (``serving.keepVersions``), and the pinned requests fail with 409. A hold is a field of the hash
-``Keys.holds``: ``version -> expiry (unix seconds)``. It expires by itself, so a crashed evaluation cannot hold a
-version forever; the evaluation deletes its holds when it ends. Writers: `onlinerl eval` and the rollout gate's
-evaluation; reader: the reloader.
+``Keys.holds``: ``version[:holder] -> expiry (unix seconds)``. It expires by itself, so a crashed evaluation cannot
+hold a version forever; the evaluation deletes its holds when it ends. Each holder has its own field (``5:gate``), so
+the gate's release never drops the hold of an `onlinerl eval` comparing the same version. Writers: `onlinerl eval`
+(admin) and the rollout gate's evaluation (rollout: its eval runs for minutes on CPU while the trainer keeps
+publishing); readers: the reloader (keeps them loaded) and the trainer (never prunes them).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def active_holds(raw: Mapping[bytes | str, bytes | str], now: float) -> set[int]
     held: set[int] = set()
     for field, value in raw.items():
         try:
-            version, expiry = int(field), float(value)
-        except (TypeError, ValueError):
+            name = field.decode() if isinstance(field, bytes) else str(field)
+            version, expiry = int(name.split(":", 1)[0]), float(value)
+        except (TypeError, ValueError, UnicodeDecodeError):
             continue
         if expiry > now:
             held.add(version)
@@ -38,15 +41,31 @@ async def read_async(client: Any, keys: Keys, now: float | None = None) -> set[i
     return active_holds(await client.hgetall(keys.holds), time.time() if now is None else now)
 
 
-def hold(client: redis.Redis, keys: Keys, versions: Iterable[int], seconds: float = DEFAULT_HOLD_SECONDS) -> list[int]:
-    """Hold ``versions`` (the base model, 0, is always loaded and needs none); returns the versions held."""
+def read(client: redis.Redis, keys: Keys, now: float | None = None) -> set[int]:
+    """Versions held now (the trainer never prunes them)."""
+    return active_holds(client.hgetall(keys.holds), time.time() if now is None else now)
+
+
+def _field(version: int, holder: str) -> str:
+    return f"{version}:{holder}" if holder else str(version)
+
+
+def hold(
+    client: redis.Redis,
+    keys: Keys,
+    versions: Iterable[int],
+    seconds: float = DEFAULT_HOLD_SECONDS,
+    holder: str = "",
+) -> list[int]:
+    """Hold ``versions`` for ``holder`` (the base model, 0, is always loaded and needs none); returns those held."""
     held = sorted({v for v in versions if v > 0})
     if held:
-        client.hset(keys.holds, mapping={str(v): f"{time.time() + seconds:.3f}" for v in held})
+        client.hset(keys.holds, mapping={_field(v, holder): f"{time.time() + seconds:.3f}" for v in held})
     return held
 
 
-def release(client: redis.Redis, keys: Keys, versions: Iterable[int]) -> None:
-    fields = [str(v) for v in versions]
+def release(client: redis.Redis, keys: Keys, versions: Iterable[int], holder: str = "") -> None:
+    """Release ``holder``'s holds on ``versions`` (another holder's hold on the same version stays)."""
+    fields = [_field(v, holder) for v in versions]
     if fields:
         client.hdel(keys.holds, *fields)

@@ -3,8 +3,9 @@ and ``hold`` (a manual decision). Read by every gateway (routing), the reloader 
 not to prune).
 
 Writers, each of its own fields: the rollout controller and `onlinerl policy` (``decisions.apply``: the whole rollout
-step in one script), the operator (``pinned``/``paused`` from the spec, ``set_field``), and under
-``rollout.strategy: direct`` the reloader (``raise_stable``).
+step in one script; the controller also ``preview``/``preview_until``, ``start_preview``), the operator
+(``pinned``/``paused`` from the spec, ``set_field``), and under ``rollout.strategy: direct`` the reloader
+(``raise_stable``).
 """
 
 from __future__ import annotations
@@ -62,3 +63,15 @@ async def set_field(client: Any, keys: Keys, name: str, value: str) -> bool:
         return False
     await client.hset(keys.policy, mapping={name: value, "updated_at": repr(time.time())})
     return True
+
+
+# --- the eval gate's preview (full-weight mode) ----------------------------------------------------------------------
+def start_preview(client: redis.Redis, keys: Keys, version: int, until: float) -> None:
+    """The rollout controller asks every reloader to hold ``version`` for eval requests only, until ``until``
+    (wall clock): past it a reloader restores stable by itself, so a dead controller cannot hold users."""
+    client.hset(keys.policy, mapping={"preview": str(version), "preview_until": repr(until)})
+
+
+def end_preview(client: redis.Redis, keys: Keys) -> None:
+    """The preview is over (its verdict clears it inside ``decisions.apply``; this is for errors and timeouts)."""
+    client.hset(keys.policy, mapping={"preview": "", "preview_until": "0.0"})

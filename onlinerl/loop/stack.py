@@ -41,13 +41,77 @@ CHILD_USERS = {
 }
 
 
+REPLICA_ENV = "ONLINERL_REPLICA"  # each serving replica's id: the pod name in Kubernetes, local-<i> here
+
+
 @dataclass(frozen=True)
 class LocalPorts:
-    """Ports of the processes whose port is not part of the job config (k8s gives each its own pod)."""
+    """Ports of the processes whose port is not part of the job config (k8s gives each its own pod).
+
+    With N > 1 serving replicas, replica i listens on ``replica_base + 10 i`` (gateway), ``+ 1`` (vLLM) and ``+ 2``
+    (reloader), all on loopback; the configured gateway port is then the balancer's. ``replica_base = 0`` takes free
+    ports instead (tests)."""
 
     redis: int = 16379
     reloader: int = ports.RELOADER
     rollout: int = ports.ROLLOUT
+    replica_base: int = ports.REPLICA_BASE
+
+
+@dataclass(frozen=True)
+class ServingReplica:
+    """One local serving replica: its id (``ONLINERL_REPLICA``) and the loopback ports of its three processes."""
+
+    replica_id: str
+    index: int
+    gateway: int
+    engine: int
+    reloader: int
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway}"
+
+    def suffix(self, single: bool) -> str:
+        """Child-name suffix: none for the one-replica stack (names, logs and ports exactly as before), ``-<i>``."""
+        return "" if single else f"-{self.index}"
+
+    def env(self, single: bool) -> dict[str, str]:
+        """What makes a gateway/reloader/vLLM this replica's: its id, and (N > 1) its own ports on loopback."""
+        env = {REPLICA_ENV: self.replica_id}
+        if not single:
+            env |= {
+                "ONLINERL__SERVING__HOST": "127.0.0.1",
+                "ONLINERL__SERVING__PORT": str(self.gateway),
+                "ONLINERL__SERVING__ENGINE_URL": f"http://127.0.0.1:{self.engine}",
+            }
+        return env
+
+
+def with_serving_replicas(cfg: OnlineRLConfig, n: int) -> OnlineRLConfig:
+    """``cfg`` with ``serving.replicas = n`` (``onlinerl up --serving-replicas``): 1 to 16, one vLLM each."""
+    from onlinerl.errors import CommandError
+
+    if not 1 <= n <= 16:
+        raise CommandError(f"--serving-replicas {n}: give 1 to 16 (each replica runs its own vLLM)")
+    data = cfg.dump()
+    data["serving"]["replicas"] = n
+    return OnlineRLConfig.model_validate(data)
+
+
+def serving_replicas(cfg: OnlineRLConfig, local: LocalPorts) -> list[ServingReplica]:
+    """The local serving replicas of ``cfg`` (``serving.replicas``, at least 1). One replica keeps the configured
+    ports (no balancer); with more, each gets its own ports and the configured gateway port is the balancer's."""
+    from onlinerl.valkey import free_port
+
+    n = max(1, cfg.serving.replicas)
+    if n == 1:
+        engine = int(cfg.serving.engine_url.rsplit(":", 1)[1].split("/")[0])
+        return [ServingReplica("local-0", 0, cfg.serving.port, engine, local.reloader)]
+    if local.replica_base == 0:
+        return [ServingReplica(f"local-{i}", i, free_port(), free_port(), free_port()) for i in range(n)]
+    b = local.replica_base
+    return [ServingReplica(f"local-{i}", i, b + 10 * i, b + 10 * i + 1, b + 10 * i + 2) for i in range(n)]
 
 
 @dataclass
@@ -176,6 +240,7 @@ class Stack:
     valkey: EmbeddedValkey | None = None
     children: list[Child] = field(default_factory=list)
     api_key: str = ""
+    replicas: list[ServingReplica] = field(default_factory=list)
 
     def child_env(self, name: str = "") -> dict[str, str]:
         env = {
@@ -195,32 +260,85 @@ class Stack:
         return self.valkey.url_for(CHILD_USERS[name])
 
     def start_child(
-        self, name: str, module: str, health_url: str, timeout: float, extra_env: dict | None = None
+        self,
+        name: str,
+        module: str,
+        health_url: str,
+        timeout: float,
+        extra_env: dict | None = None,
+        role: str = "",
+        argv: list[str] | None = None,
     ) -> Child:
+        """Start ``python -m module`` (or ``argv``) as ``name`` with ``role``'s Redis user, and wait until healthy."""
         say(f"starting {name} (log: {self.paths.logs / (name + '.log')})")
         child = Child(
             name,
-            python_module(module),
+            argv or python_module(module),
             self.paths.logs / f"{name}.log",
-            env={**self.child_env(name), **(extra_env or {})},
+            env={**self.child_env(role or name), **(extra_env or {})},
         )
         self.children.append(child.start())
         child.wait_healthy(health_url, timeout)
         say(f"{name} healthy")
         return child
 
-    def start_engine(self, model_path: Path, timeout: float = 600) -> Child:
-        """vLLM as ``python -m onlinerl_serving.engine`` (which execs vLLM with the serving package's own recipe):
-        a child process, so the shared library starts the engine without importing serving code."""
-        port = int(self.cfg.serving.engine_url.rsplit(":", 1)[1].split("/")[0])
-        argv = python_module(
-            "onlinerl_serving.engine",
-            *("--config", str(self.paths.config.resolve()), "--model", str(model_path), "--port", str(port)),
-            *("--cache-dir", str(self.paths.logs.resolve())),
-        )
-        child = Child("vllm", argv, self.paths.logs / "vllm.log")
-        self.children.append(child.start())  # appended first: a failed start is stopped with the rest
-        return child.wait_healthy(f"http://127.0.0.1:{port}/v1/models", timeout)
+    def start_engines(self, model_path: Path, replicas: list[ServingReplica], timeout: float = 600) -> list[Child]:
+        """One vLLM per replica as ``python -m onlinerl_serving.engine`` (which execs vLLM with the serving package's
+        own recipe, so the shared library starts the engine without importing serving code). All start at once,
+        then each is waited on: N engines load side by side."""
+        single = len(replicas) == 1
+        started = []
+        for rep in replicas:
+            argv = python_module(
+                "onlinerl_serving.engine",
+                *("--config", str(self.paths.config.resolve()), "--model", str(model_path)),
+                *("--port", str(rep.engine), "--cache-dir", str(self.paths.logs.resolve())),
+            )
+            name = f"vllm{rep.suffix(single)}"
+            child = Child(name, argv, self.paths.logs / f"{name}.log", env=rep.env(single))
+            self.children.append(child.start())  # appended first: a failed start is stopped with the rest
+            started.append(child)
+        for rep, child in zip(replicas, started, strict=True):
+            child.wait_healthy(f"http://127.0.0.1:{rep.engine}/v1/models", timeout)
+        return started
+
+    def start_serving(self, model_path: Path, local: LocalPorts, on_step: Callable[[str], None] = say) -> None:
+        """``serving.replicas`` replicas (vLLM + gateway + reloader each); with more than one, the balancer on the
+        configured gateway port in front of them (onlinerl/loop/balancer.py)."""
+        self.replicas = serving_replicas(self.cfg, local)
+        single = len(self.replicas) == 1
+        n = len(self.replicas)
+        on_step(f"starting vLLM{'' if single else f' x{n}'} (about a minute on CPU)")
+        self.start_engines(model_path, self.replicas)
+        on_step("vLLM healthy")
+        for rep in self.replicas:
+            env, sfx = rep.env(single), rep.suffix(single)
+            self.start_child(
+                f"gateway{sfx}", "onlinerl_serving.gateway", f"{rep.gateway_url}/healthz", 60, env, "gateway"
+            )
+            self.start_child(
+                f"reloader{sfx}",
+                "onlinerl_serving.reloader",
+                f"http://127.0.0.1:{rep.reloader}/healthz",
+                60,
+                {**env, "ONLINERL_RELOADER_PORT": str(rep.reloader)},
+                "reloader",
+            )
+        if not single:
+            upstreams = [a for rep in self.replicas for a in ("--upstream", f"{rep.replica_id}={rep.gateway_url}")]
+            self.start_child(
+                "balancer",
+                "onlinerl.loop.balancer",
+                f"http://127.0.0.1:{self.cfg.serving.port}/healthz",
+                30,
+                argv=python_module("onlinerl.loop.balancer", *upstreams),
+            )
+
+    def replica_children(self, replica_id: str) -> list[Child]:
+        """The running processes of one serving replica (vLLM, gateway, reloader), e.g. to kill it in a test."""
+        rep = next(r for r in self.replicas if r.replica_id == replica_id)
+        sfx = rep.suffix(len(self.replicas) == 1)
+        return [c for c in self.children if c.name in {f"vllm{sfx}", f"gateway{sfx}", f"reloader{sfx}"}]
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -244,8 +362,10 @@ def start_stack(
     build_data: bool = True,
     ports: LocalPorts = LocalPorts(),
     on_step: Callable[[str], None] = say,
+    serving_only: bool = False,
 ) -> Stack:
-    """Start every component and return the running :class:`Stack` (the caller stops it)."""
+    """Start every component and return the running :class:`Stack` (the caller stops it). ``serving_only``: valkey
+    and the serving replicas only (tests and benchmarks that publish versions themselves)."""
     from onlinerl.model import resolve_model_path
 
     paths = StackPaths(state)
@@ -270,18 +390,10 @@ def start_stack(
         stack.cfg = effective_config(cfg, paths, redis_url, model_path)
         paths.config.write_text(yaml.safe_dump(stack.cfg.dump(), sort_keys=False))
         paths.config.chmod(0o600)  # the Redis URL in it carries the password
-        on_step("starting vLLM (about a minute on CPU)")
-        stack.start_engine(model_path)
-        on_step("vLLM healthy")
+        stack.start_serving(model_path, ports, on_step)
+        if serving_only:
+            return stack
         c = stack.cfg
-        stack.start_child("gateway", "onlinerl_serving.gateway", f"http://127.0.0.1:{c.serving.port}/healthz", 60)
-        stack.start_child(
-            "reloader",
-            "onlinerl_serving.reloader",
-            f"http://127.0.0.1:{ports.reloader}/healthz",
-            60,
-            {"ONLINERL_RELOADER_PORT": str(ports.reloader)},
-        )
         stack.start_child("feedback", "onlinerl_feedback", f"http://127.0.0.1:{c.feedback.port}/healthz", 60)
         stack.start_child("trainer", "onlinerl_trainer", f"http://127.0.0.1:{c.trainer.metrics_port}/healthz", 180)
         if c.rollout.controlled:
@@ -302,13 +414,26 @@ def start_stack(
     return stack
 
 
+def replica_lines(stack: Stack) -> str:
+    """With N > 1 replicas: one banner line each (its own gateway, whose /metrics are that replica's)."""
+    if len(stack.replicas) <= 1:
+        return ""
+    lines = [
+        f"  {r.replica_id:<13} gateway :{r.gateway}  vLLM :{r.engine}  reloader :{r.reloader}  (logs: *-{r.index}.log)"
+        for r in stack.replicas
+    ]
+    head = f"  balancer      :{stack.cfg.serving.port} -> {len(stack.replicas)} serving replicas (least in flight)\n"
+    return head + "\n".join(lines) + "\n"
+
+
 def banner(stack: Stack) -> str:
     c = stack.cfg
+    gateway_metrics = f":{c.serving.port}/metrics" if len(stack.replicas) <= 1 else "each replica's :PORT/metrics"
     return f"""
 onlinerl is up.
   completions   http://127.0.0.1:{c.serving.port}/v1/completions
   feedback      http://127.0.0.1:{c.feedback.port}/api/training/submit
-  metrics       gateway :{c.serving.port}/metrics  feedback :{c.feedback.port}/metrics
+{replica_lines(stack)}  metrics       gateway {gateway_metrics}  feedback :{c.feedback.port}/metrics
                 trainer :{c.trainer.metrics_port}/metrics
   redis         {redacted(c.redis.url)}
   logs          {stack.paths.logs}

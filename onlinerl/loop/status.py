@@ -18,9 +18,12 @@ def collect(r: redis.Redis, job: str) -> dict:
     keys = Keys(job)
     store = RolloutStore(r, keys)
     table = store.policy()
+    by_replica = versions.read(r, keys)
+    live = by_replica.replicas
     return {
         "policy": table,
-        "versions": sorted(versions.read(r, keys).states.values(), key=lambda s: s.version),
+        "versions": sorted(by_replica.states.values(), key=lambda s: s.version),
+        "replicas": {rid: sorted(v for v, st in vs.items() if st.state == "loaded") for rid, vs in live.items()},
         "stats": stats.read_all(r, keys),
         "backlog": samples.length(r, keys),
         "trainer": trainer.read_status(r, keys),
@@ -132,7 +135,14 @@ def render(s: dict) -> str:
         f"  canary share {p.canary_share:.2f}  pinned {p.pinned if p.pinned is not None else '-'}"
         f"  paused {'yes' if p.paused else 'no'}"
     ]
+    if (previewed := p.previewing(time.time())) is not None:
+        lines.append(
+            f"previewing v{previewed}: vLLM holds it for the eval gate only, user requests wait "
+            f"(at most {p.preview_until - time.time():.0f}s more)"
+        )
     lines.append("versions: " + ("  ".join(f"v{v.version}:{v.state}" for v in s["versions"]) or "none yet"))
+    live = "  ".join(f"{rid} {vs}" for rid, vs in s.get("replicas", {}).items())
+    lines.append(f"live serving replicas (loaded): {live or 'none'}")
     lines.append("accept rate per version/arm (accepted / shown, served):")
     for (version, arm), c in sorted(s["stats"].items()):
         shown, acc = c.get("shown", 0), c.get("accepted", 0)

@@ -511,6 +511,7 @@ class Reconciler:
                 "candidateVersion": p.obs.candidate_version,
                 "pinnedVersion": policy.pinned if policy else None,
                 "canaryShare": policy.canary_share if policy else None,
+                "previewVersion": policy.previewing(time.time()) if policy else None,
                 "acceptRate": view.accept_rate,
                 "shown": view.shown,
                 "samplesTrained": view.samples_trained,

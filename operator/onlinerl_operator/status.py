@@ -78,6 +78,9 @@ class JobStatus(_Status):
     candidate_version: int | None = Field(None, ge=0)
     pinned_version: int | None = Field(None, ge=0)
     canary_share: float | None = Field(None, ge=0, le=1)
+    preview_version: int | None = Field(
+        None, ge=0, description="Full weights: the version vLLM holds for the eval gate only (user requests wait)."
+    )
     accept_rate: float | None = Field(None, ge=0, le=1, description="Accepted / shown of the stable version.")
     shown: int | None = Field(None, ge=0, description="Completions shown for the stable version.")
     samples_trained: int | None = Field(None, ge=0)

@@ -134,7 +134,7 @@ def test_trainer_lease_stream_read_and_ack_as_trainer(vk: EmbeddedValkey, admin:
         with pytest.raises(redis.exceptions.NoPermissionError):
             trainer.hset(K.policy, "stable", "7")
         with pytest.raises(redis.exceptions.NoPermissionError):
-            trainer.hset(K.versions, "7", "{}")
+            trainer.hset(K.replica_versions("r-0"), "7", "{}")
         assert admin.hget(K.policy, "stable") is None
     finally:
         feedback.close()

@@ -128,12 +128,13 @@ def test_set_field_writes_only_a_change(valkey, redis_client) -> None:
 
 # --- versions, holds, stats, checkpoints -----------------------------------------------------------------------------
 def test_versions_keep_malformed_entries_apart(redis_client) -> None:
-    redis_client.hset(K.versions, "1", PolicyVersionState(version=1, state="loaded").to_json())
-    redis_client.hset(K.versions, "2", b"{not json")
-    redis_client.hset(K.versions, "3", orjson.dumps({"version": 3, "state": "exploded"}))
-    redis_client.hset(K.versions, "x", b"{}")  # not a version number: ignored
+    versions.report(redis_client, K, "r-0", [PolicyVersionState(version=1, state="loaded")], ttl=60)
+    redis_client.hset(K.replica_versions("r-0"), "2", b"{not json")
+    redis_client.hset(K.replica_versions("r-0"), "3", orjson.dumps({"version": 3, "state": "exploded"}))
+    redis_client.hset(K.replica_versions("r-0"), "x", b"{}")  # not a version number: ignored
     table = versions.read(redis_client, K)
     assert set(table.states) == {1} and table.malformed == {2, 3} and table.loaded() == {1}
+    assert table.in_use() == {1, 2, 3}  # unreadable entries are kept by the trainer
 
 
 def test_holds_expire_and_ignore_malformed_fields(valkey, redis_client) -> None:

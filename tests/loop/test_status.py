@@ -2,6 +2,7 @@
 
 import time
 
+from onlinerl.dataplane import versions
 from onlinerl.keys import Keys
 from onlinerl.loop.status import collect, render
 from onlinerl.rollout.manual import pin
@@ -13,8 +14,8 @@ def test_status_renders_versions_accept_rates_backlog_trainer_and_decisions(redi
     keys = Keys("demo")
     r = redis_client
     r.hset(keys.policy, mapping=PolicyTable(stable=2, updated_at=time.time()).to_redis())
-    for v in (1, 2):
-        r.hset(keys.versions, str(v), PolicyVersionState(version=v, state="loaded", path=f"/c/v{v}").to_json())
+    loaded = [PolicyVersionState(version=v, state="loaded", path=f"/c/v{v}") for v in (1, 2)]
+    versions.report(r, keys, "r-0", loaded, ttl=3600)
     r.hset(keys.stats(2, "stable"), mapping={"shown": 40, "accepted": 10, "served": 50})
     r.hset(keys.stats(0, "stable"), mapping={"shown": 20, "accepted": 2, "served": 25})
     r.xadd(keys.samples, {"data": b"{}"})
@@ -34,6 +35,7 @@ def test_status_renders_versions_accept_rates_backlog_trainer_and_decisions(redi
     text = render(collect(r, "demo"))
     assert "stable v2" in text and "pinned 1" in text
     assert "v1:loaded  v2:loaded" in text
+    assert "live serving replicas (loaded): r-0 [1, 2]" in text
     assert "v2    stable    0.250  (10/40, served 50)" in text
     assert "v0    stable    0.100  (2/20, served 25)" in text
     assert "backlog: 1 unconsumed samples" in text

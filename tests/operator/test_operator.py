@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 import redis
 
+from onlinerl.dataplane import versions
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyVersionState
 from onlinerl.valkey import free_port
@@ -201,7 +202,7 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
         from onlinerl.rollout.manual import rollback
         from onlinerl.rollout.store import RolloutStore
 
-        r.hset(keys.versions, "1", PolicyVersionState(version=1, state="loaded").to_json())
+        versions.report(r, keys, "r-0", [PolicyVersionState(version=1, state="loaded")], ttl=3600)
         rollback(RolloutStore(r, keys), 1, actor="test", force=True)  # v2 -> v1
         r.hset(keys.policy, mapping={"stable": "2", "candidate": "3"})  # as the test set up the table
         await cluster.apply_job("demo", base_spec(valkey.url, rollout={"pinnedVersion": 2, "paused": True}))
@@ -304,8 +305,7 @@ async def test_rollback_to_from_the_spec_is_applied_once(cluster: Cluster, valke
     keys = Keys("demo")
     try:
         r.hset(keys.policy, mapping={"stable": "2", "candidate": "", "canary_share": "0", "pinned": "", "paused": "0"})
-        for v in (1, 2):
-            r.hset(keys.versions, str(v), PolicyVersionState(version=v, state="loaded").to_json())
+        versions.report(r, keys, "r-0", [PolicyVersionState(version=v, state="loaded") for v in (1, 2)], ttl=3600)
         await cluster.apply_job("demo", base_spec(valkey.url, rollout={"rollbackTo": 1}))
         await wait_until(lambda: r.hget(keys.policy, "stable") == b"1", what="stable rolled back to v1")
         await wait_until(lambda: cluster.status("demo").get("appliedRollbackTo") == 1, what="status appliedRollbackTo")

@@ -14,7 +14,8 @@ def plain_code(req: EvalRequest) -> GateInput:
 def scripted_user(req: EvalRequest) -> GateInput:
     """The gate's evaluator in tests/rollout/test_e2e_real.py: the scripted user's own judgement, through the real
     gateway. ``req.samples`` Continue requests pinned to each version (``X-OnlineRL-Version``, an eval-role key), each
-    accepted with the version's probability in ``$ONLINERL_TEST_ACCEPT`` (JSON ``{"version": p}``), seeded."""
+    accepted with the version's probability in ``$ONLINERL_TEST_ACCEPT`` (JSON ``{"version": p}``), seeded. Stable
+    first, then ``req.enter_candidate()`` (full weights: the candidate's preview), then the candidate."""
     import asyncio
     import json
     import os
@@ -36,7 +37,9 @@ def scripted_user(req: EvalRequest) -> GateInput:
     async def run() -> list[dict]:
         out = []
         async with httpx.AsyncClient(timeout=60) as http:
-            for version in (req.candidate, req.stable):
+            for version in (req.stable, req.candidate):
+                if version == req.candidate:
+                    await asyncio.to_thread(req.enter_candidate)
                 for i in range(req.samples):
                     res = await client.complete(http, template.render(f"x{i} = compute(", ")\n"), pin_version=version)
                     if res.failed:

@@ -80,9 +80,8 @@ class ArmSimulator:
 
 
 def publish_loaded(r: redis.Redis, job: str, version: int) -> None:
-    """What the reloader writes once serving has loaded ``version``."""
-    r.hset(
-        Keys(job).versions,
-        str(version),
-        PolicyVersionState(version=version, state="loaded", served_model=f"{job}-v{version}").to_json(),
-    )
+    """What the reloader of the one serving replica (``sim-0``) writes once it has loaded ``version``."""
+    from onlinerl.dataplane import versions
+
+    state = PolicyVersionState(version=version, state="loaded", served_model=f"{job}-v{version}")
+    versions.report(r, Keys(job), "sim-0", [state], ttl=3600)

@@ -26,7 +26,9 @@ MIN_SAMPLES = 100
 
 def ready(r: redis.Redis, version: int) -> None:
     """What the full-weight reloader writes for a verified version it has not swapped in (one version at a time)."""
-    r.hset(Keys(JOB).versions, str(version), PolicyVersionState(version=version, state="ready").to_json())
+    from onlinerl.dataplane import versions
+
+    versions.report(r, Keys(JOB), "r-0", [PolicyVersionState(version=version, state="ready")], ttl=3600)
 
 
 def bluegreen_cfg(**kw) -> RolloutConfig:

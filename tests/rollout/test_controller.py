@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from onlinerl.config import RolloutConfig
+from onlinerl.dataplane import holds
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
@@ -315,3 +316,30 @@ def test_stable_counts_start_with_the_canary(redis_client) -> None:
     [hold] = ctl.tick()
     assert hold.figures["stable"]["served"] == served[(0, "stable")]  # only what came after the start
     assert hold.figures["candidate"]["served"] == served[(1, "candidate")]
+
+
+def test_the_gate_holds_both_versions_loaded_while_it_evaluates(redis_client) -> None:
+    """On CPU a gate's eval takes minutes while the trainer keeps publishing: both versions are held (the reloader
+    keeps them loaded past keepVersions, the trainer never prunes them) until the verdict, then released; an
+    `onlinerl eval` hold on the same version survives the release."""
+    keys = Keys(JOB)
+    redis_client.hset(keys.policy, mapping=PolicyTable(stable=2).to_redis())
+    publish_loaded(redis_client, JOB, 2)
+    publish_loaded(redis_client, JOB, 3)
+    holds.hold(redis_client, keys, [3])  # someone's `onlinerl eval` compares v3 too
+    seen: list[set[int]] = []
+
+    def evaluator(req: EvalRequest) -> GateInput:
+        seen.append(holds.read(redis_client, keys))
+        if len(seen) == 1:
+            raise RuntimeError("engine busy")  # an evaluator error: released too, retried later
+        return good_eval(req)
+
+    clock = FakeClock()
+    ctl = RolloutController(redis_client, JOB, rollout_cfg(), evaluator, clock=clock, gate_retry_seconds=1.0)
+    assert ctl.tick() == []
+    assert seen == [{2, 3}] and holds.read(redis_client, keys) == {3}  # the gate's released, eval's kept
+    clock.now += 5
+    [rec] = ctl.tick()
+    assert rec.decision == "gate_pass" and seen[1] == {2, 3}
+    assert redis_client.hgetall(keys.holds).keys() == {b"3"}  # only the `onlinerl eval` field is left

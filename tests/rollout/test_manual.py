@@ -112,11 +112,12 @@ def test_no_redis_url_says_what_to_do(capsys, monkeypatch) -> None:
 def test_rollback_to_a_version_serving_unloaded_before(cli, redis_client) -> None:
     """Full weights hold one version, LoRA unloads old adapters: both leave a good version ``retired``; it can be
     rolled back to (the reloader loads it again). A failed version cannot, and the message lists what can."""
+    from onlinerl.dataplane import versions
     from onlinerl.schemas import PolicyVersionState
 
-    versions = Keys(JOB).versions
-    redis_client.hset(versions, "1", PolicyVersionState(version=1, state="retired", path="/c/v1").to_json())
-    redis_client.hset(versions, "2", PolicyVersionState(version=2, state="failed", path="/c/v2").to_json())
+    retired = PolicyVersionState(version=1, state="retired", path="/c/v1")
+    failed = PolicyVersionState(version=2, state="failed")
+    versions.report(redis_client, Keys(JOB), "sim-0", [retired, failed], ttl=3600)  # the replica of `cli`
     redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=3).to_redis())
     code, _, err = cli("rollback", "2")
     assert code == 2 and "version 2 is not loaded in serving (servable: [0, 1, 3])" in err

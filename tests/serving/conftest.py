@@ -85,6 +85,18 @@ def start_gateway(config_path: Path, log_path: Path, port: int) -> Gateway:
     return Gateway(child, f"http://127.0.0.1:{port}", port)
 
 
+def gateway_in_front_of(tmp: Path, redis_url: str, keys_file: Path, engine_url: str, **serving: Any) -> Gateway:
+    """A real gateway on a free port in front of ``engine_url`` (a dead port, a misbehaving stub, a real vLLM)."""
+    port = free_port()
+    cfg = write_config(
+        tmp / "config.yaml",
+        redis={"url": redis_url},
+        auth={"apiKeysFile": str(keys_file)},
+        serving={"host": "127.0.0.1", "port": port, "engineUrl": engine_url, **serving},
+    )
+    return start_gateway(cfg, tmp / "gateway.log", port)
+
+
 def start_reloader(config_path: Path, log_path: Path, port: int) -> Child:
     child = Child(
         "reloader",

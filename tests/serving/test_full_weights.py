@@ -26,9 +26,10 @@ import redis
 
 from onlinerl.cli import main as cli_main
 from onlinerl.config import OnlineRLConfig, from_mapping
+from onlinerl.dataplane import versions
 from onlinerl.keys import Keys
 from onlinerl.procs import Child, wait_for
-from onlinerl.schemas import CheckpointManifest, PolicyTable, PolicyVersionState, RolloutRecord
+from onlinerl.schemas import CheckpointManifest, PolicyTable, RolloutRecord
 from onlinerl.valkey import EmbeddedValkey, free_port
 from onlinerl_serving.engine import start_vllm
 from tests.serving.conftest import JOB, KEY_ACME, KEY_EVAL, Gateway, start_gateway, start_reloader, write_config
@@ -278,7 +279,8 @@ def test_boot_serves_the_base_model_and_refuses_bad_weight_reports(pod: Pod) -> 
         ask_v7 = {"Authorization": f"Bearer {KEY_EVAL}", "X-OnlineRL-Version": "7"}
         resp = c.post("/v1/completions", json={**BODY, "stream": False}, headers=ask_v7)
         assert resp.status_code == 409 and "loaded: [0]" in resp.text
-        assert c.get("/internal/weights").json() == {"version": 0, "switching": False, "inflight": 0}
+        view = {"version": 0, "switching": False, "previewing": False, "inflight": 0}
+        assert c.get("/internal/weights").json() == view
     version, rec = pod.served()
     assert version == "0" and rec.arm == "stable"
     pod.assert_served_by(rec)
@@ -306,7 +308,7 @@ def test_v1_then_v2_switch_under_8_streaming_clients(pod: Pod) -> None:
         f"{time.monotonic() - t0:.1f}s"
     )
     assert pod.r.hget(pod.keys.reloader_status, "weights_version") == b"2"
-    states = {v: PolicyVersionState.from_json(pod.r.hget(pod.keys.versions, str(v))).state for v in (1, 2)}
+    states = {v: versions.read(pod.r, pod.keys).states[v].state for v in (1, 2)}
     assert states == {1: "retired", 2: "loaded"}
 
 

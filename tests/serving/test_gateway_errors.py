@@ -16,7 +16,7 @@ import pytest
 from onlinerl.fim import get_template
 from onlinerl.procs import wait_for
 from onlinerl.valkey import EmbeddedValkey, free_port
-from tests.serving.conftest import KEY_ACME, Gateway, start_gateway, write_config
+from tests.serving.conftest import KEY_ACME, Gateway, gateway_in_front_of
 
 MAX_PROMPT_CHARS = 2000
 MAX_TOKENS_CAP = 4096
@@ -26,23 +26,16 @@ MAX_TOKENS_CAP = 4096
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey, keys_file: Path
 ) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("gw-errors")
-    port = free_port()
-    cfg = write_config(
-        tmp / "config.yaml",
-        redis={"url": module_valkey.url},
-        auth={"apiKeysFile": str(keys_file)},
-        serving={
-            "host": "127.0.0.1",
-            "port": port,
-            "engineUrl": f"http://127.0.0.1:{free_port()}",
-            "maxPromptChars": MAX_PROMPT_CHARS,
-            "maxTokensCap": MAX_TOKENS_CAP,
-            "engineConnectTimeoutSeconds": 1.0,
-            "retryAfterSeconds": 3,
-        },
+    gw = gateway_in_front_of(
+        tmp_path_factory.mktemp("gw-errors"),
+        module_valkey.url,
+        keys_file,
+        f"http://127.0.0.1:{free_port()}",  # nobody listens: every valid request meets a dead engine
+        maxPromptChars=MAX_PROMPT_CHARS,
+        maxTokensCap=MAX_TOKENS_CAP,
+        engineConnectTimeoutSeconds=1.0,
+        retryAfterSeconds=3,
     )
-    gw = start_gateway(cfg, tmp / "gateway.log", port)
     try:
         yield gw
     finally:

@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from onlinerl.config import from_mapping
+from onlinerl.dataplane import versions
 from onlinerl.dataplane.holds import active_holds, hold, release
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
@@ -180,8 +181,8 @@ def policy(s: Stack) -> PolicyTable:
 
 
 def version_state(s: Stack, v: int) -> PolicyVersionState | None:
-    raw = s.redis.hget(s.keys.versions, str(v))
-    return PolicyVersionState.from_json(raw) if raw else None
+    """The job-wide state (one live replica here: its own)."""
+    return versions.read(s.redis, s.keys).states.get(v)
 
 
 def engine_models(s: Stack) -> set[str]:

@@ -6,7 +6,7 @@ import pytest
 
 from onlinerl.schemas import TrainingSample
 from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
-from onlinerl_trainer.batching import StreamSample, collate, fit_to_length, staleness_action
+from onlinerl_trainer.batching import StreamSample, collate, fit_to_length, staleness, staleness_action
 
 
 def test_batch_and_no_baseline():
@@ -115,6 +115,19 @@ def test_fit_to_length_never_cuts_a_row():
 
 
 def test_staleness_rule():
-    assert staleness_action(5, 9, 4, "drop") == "keep"
-    assert staleness_action(4, 9, 4, "drop") == "drop"
-    assert staleness_action(4, 9, 4, "truncate") == "downweight"
+    assert staleness_action(staleness(5, 9), 4, "drop") == "keep"
+    assert staleness_action(staleness(4, 9), 4, "drop") == "drop"
+    assert staleness_action(staleness(4, 9), 4, "truncate") == "downweight"
+
+
+def test_staleness_counts_versions_serving_moved_past_not_the_trainers_lead():
+    # the trainer at v12 while the canary still serves stable v0 and candidate v3: a v0 sample is 3 behind serving
+    assert staleness(0, 12, serving_frontier=3) == 3
+    assert staleness_action(staleness(0, 12, serving_frontier=3), 4, "drop") == "keep"
+    # serving moved on to v9: the same v0 sample is 9 behind and dropped
+    assert staleness_action(staleness(0, 12, serving_frontier=9), 4, "drop") == "drop"
+    # a frontier ahead of the trainer (a newer trainer took over) never makes a sample look staler than the trainer
+    assert staleness(5, 6, serving_frontier=40) == 1
+    # unknown frontier: the strict reading, the trainer's own version
+    assert staleness(0, 12) == 12
+    assert staleness(7, 5, serving_frontier=3) == 0

@@ -6,7 +6,7 @@ import time
 
 import orjson
 
-from onlinerl.dataplane import audit
+from onlinerl.dataplane import audit, versions
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyVersionState
 from onlinerl_trainer.batching import StreamSample
@@ -58,11 +58,11 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     assert trainer.publish() == 1
 
     # Retention keeps the newest 2 plus whatever a replica has loaded or routing points at.
-    redis_client.hset(KEYS.versions, "1", PolicyVersionState(version=1, state="loaded").to_json())
+    versions.report(redis_client, KEYS, "r-0", [PolicyVersionState(version=1, state="loaded")], ttl=3600)
     for v in (2, 3, 4):
         assert train_and_publish(trainer, v) == v
     assert trainer.store.versions() == [1, 3, 4]
-    redis_client.hset(KEYS.versions, "1", PolicyVersionState(version=1, state="retired").to_json())
+    versions.report(redis_client, KEYS, "r-0", [PolicyVersionState(version=1, state="retired")], ttl=3600)
     redis_client.hset(KEYS.policy, mapping={"stable": "3"})
     assert train_and_publish(trainer, 5) == 5
     assert trainer.store.versions() == [3, 4, 5]  # v1 retired -> pruned; v3 is stable -> kept
@@ -76,7 +76,9 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     assert counter(trainer, 'onlinerl_trainer_invalid_samples_total{reason="length_mismatch"}') == 1
     assert stream_ids(redis_client) == set()
 
-    # Staleness at v5 with maxVersions 1: v3 samples are dropped (acked at once), v4 samples are trained.
+    # Staleness at v5 with maxVersions 1, serving caught up (stable v5): v3 samples are dropped (acked at once),
+    # v4 samples are trained.
+    redis_client.hset(KEYS.policy, mapping={"stable": "5"})
     stale = xadd_samples(redis_client, [sample(950, version=3), sample(951, version=3)])
     fresh = xadd_samples(redis_client, [sample(952, version=4), sample(953, version=4, reward=-0.25)])
     stats = trainer.train_on(trainer.collect())
@@ -84,10 +86,23 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     assert counter(trainer, 'onlinerl_trainer_stale_samples_total{action="dropped"}') == 2
     stale_audit = [orjson.loads(d) for _, d in audit.read(redis_client, Keys(JOB))]
     stale_audit = {e["stream_id"]: e["reason"] for e in stale_audit if e["reason"].startswith("stale")}
-    assert stale_audit == {sid: "stale: behaviour v3, trainer v5" for sid in stale}  # each drop is on the record
+    reason = "stale: behaviour v3, 2 versions behind (trainer v5, serving up to v5)"
+    assert stale_audit == {sid: reason for sid in stale}  # each drop is on the record
     assert stream_ids(redis_client) == set(fresh)  # trained, waiting for their checkpoint
     assert not set(stale) & set(trainer.pending_ack)
     assert trainer.publish() == 6 and trainer.store.manifest(6).sample_ids == fresh
+
+    # The trainer outruns the rollout (a canary still serves stable v3 with candidate v4 while the trainer is at v6):
+    # what users are served is never stale, so a v3 sample is trained; a v2 one is still a version behind serving.
+    redis_client.hset(KEYS.policy, mapping={"stable": "3", "candidate": "4", "canary_share": "0.25"})
+    served = xadd_samples(redis_client, [sample(970, version=3), sample(971, version=3, reward=-0.25)])
+    gone = xadd_samples(redis_client, [sample(972, version=1)])
+    stats = trainer.train_on(trainer.collect())
+    assert stats is not None and stats["samples"] == 2
+    assert counter(trainer, 'onlinerl_trainer_stale_samples_total{action="dropped"}') == 3
+    assert stream_ids(redis_client) == set(served) and not set(gone) & set(trainer.pending_ack)
+    assert trainer.publish() == 7 and trainer.store.manifest(7).sample_ids == served
+    redis_client.hset(KEYS.policy, mapping={"stable": "7", "candidate": "", "canary_share": "0"})
 
     # In truncate mode they are trained instead, with the importance weight capped.
     trainer.algo.staleness.mode = "truncate"
@@ -97,7 +112,7 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     assert stats is not None and stats["samples"] == 2
     assert counter(trainer, 'onlinerl_trainer_stale_samples_total{action="downweighted"}') == 2
     assert 0 < stats["is_weight_mean"] <= 0.5
-    admitted = 3 + 4 * 2 + 4 + 2  # every valid sample is observed, dropped or not
+    admitted = 3 + 4 * 2 + 4 + 3 + 2  # every valid sample is observed, dropped or not
     assert counter(trainer, "onlinerl_trainer_sample_staleness_versions_count") == admitted
 
 

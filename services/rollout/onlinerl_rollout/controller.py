@@ -16,6 +16,13 @@ gateway labels the traffic ``candidate``) with stable's counters snapshotted in 
 ``decision.decide_watch`` against that snapshot; rollback switches everyone back. Which comparison applies is read
 from the table, not the config: a candidate holding the whole traffic has no live stable arm to compare with.
 
+Full-weight serving holds one version, so the gate cannot reach a ``ready`` candidate through the gateway as it is:
+the evaluator evaluates stable first (while it serves), then calls ``EvalRequest.enter_candidate``, which starts the
+*preview* (``preview.Preview``: every reloader swaps the candidate in for eval requests only, users wait at the
+gateway) and returns once it is in place. The verdict's own script ends it: pass -> the candidate with all traffic on
+the weights already loaded; fail -> stable swapped back. A preview that is not in place, or outlives
+``rollout.gate.previewTimeoutSeconds``, counts as an evaluator error (retried, then ``gate_fail`` with the reason).
+
 ``pinned`` stops all verdicts (traffic is pinned, the canary learns nothing). ``paused`` stops promotion and new
 candidates, but not rollbacks: pausing must never keep a worse policy in front of users.
 
@@ -29,12 +36,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
 from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.config import RolloutConfig
+from onlinerl.dataplane import holds
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import ArmStats, DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
@@ -42,18 +50,30 @@ from onlinerl.schemas import PolicyTable
 from onlinerl_rollout.decision import DecisionRules, Verdict, decide, decide_watch, guardrail_breaches
 from onlinerl_rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
 from onlinerl_rollout.metrics import RolloutMetrics
+from onlinerl_rollout.preview import Preview
 
 log = logging.getLogger("onlinerl_rollout")
+GATE_HOLDER = "gate"  # the gate's own field in the holds hash (onlinerl/dataplane/holds.py)
+GATE_HOLD_SECONDS = 1800.0  # expires by itself if the controller dies mid-eval
+
+
+def _in_place() -> None:
+    """The candidate is servable as it is (LoRA, or a version already loaded): nothing to do before its eval."""
 
 
 @dataclass(frozen=True)
 class EvalRequest:
-    """What the gate asks the evaluator for: ``samples`` eval requests to each of the two versions."""
+    """What the gate asks the evaluator for: ``samples`` eval requests to each of the two versions.
+
+    ``enter_candidate``: call it after stable's requests and before the candidate's. In full-weight mode it puts the
+    candidate into preview and returns once vLLM holds it (users wait meanwhile: keep the candidate's run short); it
+    raises ``preview.PreviewError`` if that does not happen in time."""
 
     job: str
     candidate: int
     stable: int
     samples: int
+    enter_candidate: Callable[[], None] = field(default=_in_place, compare=False, repr=False)
 
 
 Evaluator = Callable[[EvalRequest], GateInput]
@@ -76,6 +96,7 @@ class RolloutController:
     ) -> None:
         if cfg.controlled and cfg.gate.enabled and evaluator is None:
             raise ValueError("rollout.gate.enabled needs an evaluator (or set rollout.gate.enabled: false)")
+        self.r = r
         self.keys = Keys(job)
         self.store = RolloutStore(r, self.keys)
         self.cfg = cfg
@@ -91,6 +112,7 @@ class RolloutController:
         self._paused_noted: set[tuple[int, int]] = set()
         self.last_tick_ok: float | None = None  # monotonic time of the last tick that reached Redis
         self.evaluating: int | None = None  # the version under eval (an eval can take minutes: still healthy)
+        self.preview: Preview | None = None  # full weights: the preview the last gate started (ended by its verdict)
         self.waiting: str = ""  # why no gate runs although a version is waiting (bluegreen: stable's baseline)
 
     # --- the loop ----------------------------------------------------------------------------------------------
@@ -119,10 +141,9 @@ class RolloutController:
         if table.paused:
             return []
         judged = self.store.states()
+        known = self.store.versions()
         fresh = sorted(
-            v
-            for v, s in self.store.versions().items()
-            if s.state in self._gateable and v > table.stable and v not in judged
+            v for v, s in known.items() if s.state in self._gateable and v > table.stable and v not in judged
         )
         if not fresh:
             return []
@@ -131,9 +152,11 @@ class RolloutController:
         share = 1.0 if self.cfg.strategy == "bluegreen" else self.cfg.canary_share
         if share >= 1.0 and not self._baseline_ready(newest, table.stable):
             return out
-        result = self._run_gate(newest, table.stable)
+        result = self._run_gate(newest, table.stable, needs_preview=known[newest].state == "ready")
         if result is None:  # evaluator error, will retry
             return out
+        previewed = self.preview is not None and self.preview.started
+        end_preview = {"preview": None, "preview_until": 0.0} if previewed else {}
         now = self.clock()
         if isinstance(result, str):
             passed, reason, figures = False, result, {}
@@ -156,7 +179,7 @@ class RolloutController:
                 expect_stable=table.stable,
                 expect_candidate=None,
                 states=[state],
-                policy={"candidate": newest, "canary_share": share},
+                policy={"candidate": newest, "canary_share": share, **end_preview},  # the previewed weights stay
                 snapshot_stable=table.stable,
             )
         else:
@@ -166,7 +189,11 @@ class RolloutController:
             rec = DecisionRecord(
                 decision="gate_fail", version=newest, stable=table.stable, reason=reason, figures=figures, at=now
             )
-            ok = self.store.apply(rec, states=[state])
+            ok = self.store.apply(rec, states=[state], policy=end_preview or None)  # previewed: stable swapped back
+        if previewed and self.preview is not None:
+            if not ok:
+                self.preview.end()  # the table changed meanwhile: nothing recorded, give vLLM back to stable
+            self.preview.started = False
         if ok:
             self._emit(rec)
             out.append(rec)
@@ -175,7 +202,7 @@ class RolloutController:
     @property
     def _gateable(self) -> tuple[str, ...]:
         """Version states the gate takes: loaded (LoRA: servable now); under bluegreen also ready (full weights:
-        verified, swapped into vLLM only by the switch)."""
+        verified, swapped into vLLM for the gate's preview and then by the switch)."""
         return ("loaded", "ready") if self.cfg.strategy == "bluegreen" else ("loaded",)
 
     def _baseline_ready(self, version: int, stable: int) -> bool:
@@ -191,17 +218,27 @@ class RolloutController:
         self.waiting = why
         return False
 
-    def _run_gate(self, version: int, stable: int) -> GateResult | str | None:
-        """The gate's result; a reason string when it failed without figures; None to retry on the next tick."""
+    def _run_gate(self, version: int, stable: int, needs_preview: bool = False) -> GateResult | str | None:
+        """The gate's result; a reason string when it failed without figures; None to retry on the next tick.
+        ``needs_preview``: the candidate is not in vLLM (full weights, ``ready``): its eval runs in a preview."""
         if not self.cfg.gate.enabled:
             return _passed_without_eval()
         if self.clock() < self._gate_retry_at.get(version, 0.0):
             return None  # backing off after an evaluator error
-        req = EvalRequest(self.keys.job, version, stable, self.cfg.gate.eval_samples)
+        self.preview = self._new_preview(version) if needs_preview else None
+        enter = self.preview.enter if self.preview is not None else _in_place
+        req = EvalRequest(self.keys.job, version, stable, self.cfg.gate.eval_samples, enter)
+        # Both versions stay loaded for the whole eval: on CPU it takes minutes while the trainer keeps publishing,
+        # and without a hold the reloader retired the candidate under it (keepVersions), failing its requests.
+        held = holds.hold(self.r, self.keys, [stable, version], GATE_HOLD_SECONDS, holder=GATE_HOLDER)
         self.evaluating = version
         try:
             inp = self.evaluator(req)  # type: ignore[misc]
+            if self.preview is not None:
+                self.preview.check()
         except Exception as exc:
+            if self.preview is not None:
+                self.preview.end()  # users are released at once, not at the deadline
             # Retries are spaced in time, not in ticks: a version is marked loaded before every gateway replica has
             # refreshed its model list (409 for a moment), and fast ticks must not spend all attempts in that moment.
             n = self._gate_errors[version] = self._gate_errors.get(version, 0) + 1
@@ -210,10 +247,18 @@ class RolloutController:
             return f"evaluator failed {n} times: {exc}" if n >= self.gate_attempts else None
         finally:
             self.evaluating = None
+            holds.release(self.r, self.keys, held, holder=GATE_HOLDER)
         result = evaluate_gate(inp, GateThresholds.from_config(self.cfg.gate))
         guardrails = sum(1 for reason in result.reasons if reason.startswith("guardrail:"))
         self.metrics.observe_gate(version, stable, result.figures(), guardrails)
         return result
+
+    def _new_preview(self, version: int) -> Preview:
+        def state() -> str | None:
+            s = self.store.versions().get(version)
+            return s.state if s else None
+
+        return Preview(self.r, self.keys, version, self.cfg.gate.preview_timeout_seconds, state)
 
     def _supersede(self, version: int, by: int, stable: int) -> DecisionRecord | None:
         now = self.clock()

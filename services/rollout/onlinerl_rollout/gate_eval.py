@@ -3,6 +3,9 @@
 Plugged into the rollout controller with ``--evaluator onlinerl_rollout.gate_eval:evaluate``. It reads the job config
 (``$ONLINERL_CONFIG``), the held-out split (``$ONLINERL_EVAL_DATA``), the gateway (``$ONLINERL_GATEWAY_URL``,
 default the local one) and uses the first eval (or admin) key of the keys file.
+
+Stable first, while it serves users; then ``req.enter_candidate()`` (full weights: the candidate's preview, user
+requests wait at the gateway) and the candidate, with more concurrency since vLLM serves nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from onlinerl_rollout.controller import EvalRequest
 from onlinerl_rollout.gate import GateInput
 
 DEFAULT_EVAL_DATA = ".onlinerl/data/test.jsonl"
+PREVIEW_CONCURRENCY = 4  # the candidate's run: in full-weight mode users are held, so vLLM's batch is the eval's
 
 
 def evaluate(req: EvalRequest) -> GateInput:
@@ -38,8 +42,11 @@ def evaluate(req: EvalRequest) -> GateInput:
         )
 
     records = []
-    for version in (req.candidate, req.stable):
-        run = asyncio.run(run_version(samples, factory, version, concurrency=2))
+    for version in (req.stable, req.candidate):
+        if version == req.candidate:
+            req.enter_candidate()
+        concurrency = PREVIEW_CONCURRENCY if version == req.candidate else 2
+        run = asyncio.run(run_version(samples, factory, version, concurrency=concurrency))
         if run.records and all(r.failed for r in run.records):
             raise RuntimeError(_nothing_served(version, len(run.records), cfg.serving.weights_mode))
         by_id = {s.id: s for s in samples}
@@ -56,9 +63,7 @@ def _nothing_served(version: int, n: int, weights_mode: str) -> str:
     why = f"none of {n} eval requests pinned to v{version} was served"
     if weights_mode == "full":
         return (
-            f"{why}: under serving.weightsMode full the gateway serves only the version vLLM holds, so the gate "
-            "cannot evaluate a version before the switch through it; point ONLINERL_GATEWAY_URL at a serving that "
-            "holds the candidate, plug another evaluator (--evaluator), or set rollout.gate.enabled: false to rely "
-            "on the blue/green live watch alone"
+            f"{why}: under serving.weightsMode full the gateway serves only the version vLLM holds (the candidate "
+            "during the gate's preview); see `onlinerl status` (versions: vN:previewing) and the reloader's log"
         )
     return f"{why} (is it loaded? see `onlinerl status` and the reloader's last error)"

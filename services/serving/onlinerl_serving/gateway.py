@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from onlinerl.arms import EVAL, STABLE, Arm
-from onlinerl.asgi import ASGIApp, Receive, Scope, Send, read_capped, with_hot_route
+from onlinerl.asgi import ASGIApp, Receive, Scope, Send, read_capped, serve, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.http_errors import error_body
@@ -96,7 +96,7 @@ class Gateway:
         self.keys = Keys(cfg.job)
         self.metrics = metrics or GatewayMetrics()
         self.limits = Limits(cfg.serving.max_prompt_chars, cfg.serving.max_tokens_cap, cfg.model.max_model_len)
-        self.max_body = cfg.serving.max_prompt_chars * 4 + 64 * 1024  # UTF-8 worst case plus the other fields
+        self.max_body = cfg.serving.max_body_bytes
         self.state = ServingState(
             redis=redis,
             keys=self.keys,
@@ -246,7 +246,7 @@ class Gateway:
         created_at = time.time()
         rollout_id = uuid.uuid4().hex  # ours, known before the first byte: it goes in a response header
         for attempt in (0, 1):
-            held = await self._enter_weights()
+            held = await self._enter_weights(forced)
             try:
                 r, model = self.pick(uhash, forced, held)
             except BaseException:  # e.g. 409 for a version not held: release the gate's count at once
@@ -293,12 +293,13 @@ class Gateway:
                     self.state.weights.leave()
         raise AssertionError("unreachable")
 
-    async def _enter_weights(self) -> int | None:
-        """Full-weight mode: wait out a weight switch, then hold the version until the request ends (weights_gate)."""
+    async def _enter_weights(self, forced: int | None = None) -> int | None:
+        """Full-weight mode: wait out a weight switch (and, unless pinned to the previewed version, the eval gate's
+        preview), then hold the version until the request ends (weights_gate)."""
         if self.cfg.serving.weights_mode != "full":
             return None
         try:
-            return await self.state.weights.enter(self.cfg.serving.request_timeout_seconds)
+            return await self.state.weights.enter(self.cfg.serving.request_timeout_seconds, forced)
         except WeightsUnknown:
             raise unavailable(
                 "the model weights are being switched or are not known yet; retry shortly",
@@ -433,14 +434,7 @@ class Gateway:
                         self.metrics.ttft.observe(time.perf_counter() - ctx.t0)
                         first = False
             if not done:  # the engine closed the stream early (crash, restart): tell the client, record nothing
-                err = error_body(
-                    "the inference engine ended the stream early; retry",
-                    type_="server_error",
-                    code="engine_stream_interrupted",
-                )
-                await send(
-                    {"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n", "more_body": False}
-                )
+                await send(_interrupted("the inference engine ended the stream early; retry"))
             self.metrics.overhead.observe(overhead)
             self.metrics.duration.labels("true").observe(time.perf_counter() - ctx.t0)
             return 200 if done and not errored else 502
@@ -448,14 +442,21 @@ class Gateway:
             if done:  # the client already has everything, [DONE] included; only vLLM's body end was lost
                 return 502 if errored else 200
             log.warning("upstream stream failed: %s", exc)
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            with contextlib.suppress(Exception):  # the client may be gone; if not, it must not read this as success
+                await send(_interrupted(f"the inference engine stopped sending ({exc}); retry"))
             return 502
         finally:
             watcher.cancel()
             await resp.aclose()
             if recording is not None:
                 await recording  # logs and counts its own failure
+
+
+def _interrupted(message: str) -> dict:
+    """The last body message of a stream the engine did not finish: an SSE error event (code
+    ``engine_stream_interrupted``) and no [DONE], so no client reads the partial text as a complete suggestion."""
+    err = error_body(message, type_="server_error", code="engine_stream_interrupted")
+    return {"type": "http.response.body", "body": b"data: " + orjson.dumps(err) + b"\n\n", "more_body": False}
 
 
 class _Ctx:
@@ -602,7 +603,11 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
             Route("/metrics", metrics),
             Route("/engine/metrics", engine_metrics),
             Route("/internal/inflight", inflight),
-            Route("/internal/weights", weights_endpoint(gw.state.weights, LOOPBACK), methods=["GET", "POST"]),
+            Route(
+                "/internal/weights",
+                weights_endpoint(gw.state.weights, LOOPBACK, gw.state.refresh_policy),
+                methods=["GET", "POST"],
+            ),
         ],
         lifespan=lifespan,
     )
@@ -611,20 +616,9 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
 
 
 def main() -> None:
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cfg = load_config()
-    uvicorn.run(
-        create_app(cfg),
-        host=cfg.serving.host,
-        port=cfg.serving.port,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        loop="uvloop",
-        http="httptools",
-    )
+    serve(create_app(cfg), cfg.serving.host, cfg.serving.port)
 
 
 if __name__ == "__main__":

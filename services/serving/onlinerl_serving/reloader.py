@@ -20,6 +20,12 @@ raised first). The newest version above stable is verified and recorded ``ready`
 it: tell the gateway ``switching`` (it stops sending and drains), pause vLLM, reload the weights (the base model's for
 v0), record ``weights_version`` while still paused, resume, warm up, tell the gateway ``serving`` vN.
 Requests are thus labelled with the version that serves them.
+
+The eval gate's preview (policy ``preview`` vN before ``preview_until``, set by the rollout controller): the same
+switch, but the gateway is told ``previewing`` vN (only eval requests pinned to vN go, users wait) and vN is recorded
+``previewing``. When the preview ends the table says what next: vN is the candidate with all traffic (passed: the
+same weights, now ``serving``, no second swap), or it is not (failed, timed out: switch back). Past ``preview_until``
+the reloader ends the preview by itself, so a controller that died mid-preview cannot hold users.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from onlinerl_serving.routing import served_model_name
 log = logging.getLogger("onlinerl.reloader")
 
 RELOADER_PORT = ports.RELOADER
+PREVIEW_CLOCK_SLACK_SECONDS = 30.0  # how far a preview's deadline may exceed the bound (clock skew between pods)
 
 
 @dataclass
@@ -71,6 +78,8 @@ class ReloaderOptions:
     poll_seconds: float = 0.5
     unload_grace_seconds: float = 2.0  # > the gateway's model-list refresh: it has stopped routing there
     retry_backoff_seconds: float = 1.0
+    heartbeat_seconds: float = versions.HEARTBEAT_EVERY_SECONDS  # while vLLM answers, this replica beats this often
+    heartbeat_ttl_seconds: float = versions.HEARTBEAT_TTL_SECONDS  # ...and drops out of the live set if it stops
 
 
 class Reloader:
@@ -82,8 +91,11 @@ class Reloader:
         gateway: httpx.AsyncClient,
         metrics: ReloaderMetrics | None = None,
         options: ReloaderOptions | None = None,
+        replica: str | None = None,
     ) -> None:
         self.cfg = cfg
+        # This replica's id (its own versions hash and heartbeat): ``replica``, else $ONLINERL_REPLICA, else host-pid.
+        self.replica = versions.check_replica(replica or versions.default_replica_id())
         self.redis = redis
         self.admin = EngineAdmin(engine)
         self.gateway = gateway
@@ -95,11 +107,15 @@ class Reloader:
         self.refusals: list[bytes] = []  # audit entries of refused announcements, not yet written
         self.engine_seen_up = False
         self.holding: int | None = None  # full-weight mode: what vLLM's one model holds (None: not known)
+        self.previewing = False  # full-weight mode: ``holding`` is a preview for the eval gate (users wait)
+        self.refused_preview: tuple[int, float] | None = None  # the last out-of-bounds preview refused (logged once)
         self.base_next_attempt = 0.0  # full-weight mode: retry backoff for reloading the base model (v0)
         self.base_failures = 0
         self.last_raise: dict[str, Any] | None = None  # strategy direct: the last raise tried and its outcome
         self.last_tick = 0.0
         self.restarts_detected = 0
+        self.last_beat: float | None = None  # server deadline of the last heartbeat (None: not beating yet)
+        self.raise_tried: set[int] = set()  # strategy direct, LoRA: versions whose raise was tried (once each)
 
     @property
     def full(self) -> bool:
@@ -183,11 +199,13 @@ class Reloader:
                 log.warning("engine unreachable: %s", exc)
             self.engine_seen_up = False
             if self.full and self.holding is not None:  # a restarted vLLM holds the base weights, not ours
-                self.holding = None
+                self.holding, self.previewing = None, False
                 self.restarts_detected += 1
                 await self._tell_gateway({"state": "unknown"})
             return
         self.engine_seen_up = True
+        if self.last_beat is None:
+            await self.beat()  # join the live set now; the heartbeat task keeps it
         if self.full:
             await self._tick_full()
             return
@@ -201,6 +219,8 @@ class Reloader:
                 await self.load(v)
         if not self.full:
             await self._retire_unwanted(set(wanted), table)
+        if self.cfg.rollout.strategy == "direct":
+            await self._raise_everywhere(once=True)  # also completes a switch once a lagging replica died
         loaded = [v for v, s in self.versions.items() if s.state == "loaded"]
         self.metrics.loaded.set(len(loaded))
         self.metrics.serving_version.set(max(loaded, default=0))
@@ -271,9 +291,25 @@ class Reloader:
         status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
         await versions.set_reloader_status(self.redis, self.keys, status)
         if self.cfg.rollout.strategy == "direct":
-            await self._raise_stable(v)
+            await self._raise_everywhere(once=True)
         log.info("v%d loaded and warm in %.2fs", v, time.perf_counter() - t0)
         return True
+
+    async def _raise_everywhere(self, version: int | None = None, once: bool = False) -> bool:
+        """strategy direct: raise stable to ``version`` (default: the newest) once every LIVE replica has it loaded
+        (full weights: switchable, ``ready``): the switch completes for the live set only, never before a ready
+        replica has it. Each replica checks every tick, so the last to load it, or a survivor of one that died, raises
+        it. ``once`` (LoRA): each version is tried once per life of this reloader, as when a load raised it: a stable
+        lowered by hand later is not raised again by a version loaded long before."""
+        table = await versions.read_async(self.redis, self.keys)
+        switchable = {v for v, s in table.states.items() if s.state == "ready"} if self.full else set()
+        everywhere = table.loaded() | switchable
+        target = max(everywhere, default=0) if version is None else version
+        if target <= 0 or target not in everywhere or (once and target in self.raise_tried):
+            return False
+        raised = await self._raise_stable(target)
+        self.raise_tried.add(target)
+        return raised
 
     async def _raise_stable(self, v: int) -> bool:
         """strategy direct: make ``v`` stable unless the table forbids it (see ``policy.RAISE_STABLE``)."""
@@ -299,6 +335,32 @@ class Reloader:
         want = table.pinned if table.pinned is not None else table.stable
         return max((v for v, s in self.versions.items() if s.state != "failed" and v <= want), default=0)
 
+    def preview_target(self, table: PolicyTable, now: float) -> int | None:
+        """The version to hold for the eval gate's preview: the table's ``preview`` before ``preview_until`` (wall
+        clock ``now``). None when there is none, it expired, a pin holds the table, or this replica cannot load it
+        now (failed, never announced here, backing off after a failed load): users are never held for a swap that is
+        not happening (the controller's wait then times out and the gate retries later). A deadline further away than
+        ``rollout.gate.previewTimeoutSeconds`` (+ ``PREVIEW_CLOCK_SLACK_SECONDS`` for clock skew between pods) is
+        refused: no writer of the table can hold users longer than the configured bound."""
+        v = table.previewing(now)
+        if v is None or table.pinned is not None:
+            return None
+        if table.preview_until - now > self.cfg.rollout.gate.preview_timeout_seconds + PREVIEW_CLOCK_SLACK_SECONDS:
+            if self.refused_preview != (v, table.preview_until):
+                log.error(
+                    "policy.preview v%d until %.0fs from now is over rollout.gate.previewTimeoutSeconds (%.0fs): "
+                    "refused, users stay on stable",
+                    v,
+                    table.preview_until - now,
+                    self.cfg.rollout.gate.preview_timeout_seconds,
+                )
+                self.refused_preview = (v, table.preview_until)
+            return None
+        s = self.versions.get(v)
+        if s is None or s.state == "failed" or time.monotonic() < s.next_attempt:
+            return None
+        return v
+
     async def _tick_full(self) -> None:
         table = await self.policy()
         newest = max((v for v, s in self.versions.items() if s.state != "failed"), default=0)
@@ -306,15 +368,19 @@ class Reloader:
             if self.versions[newest].state == "announced":  # switchable: the blue/green gate may take it now
                 self.versions[newest].state = "ready"
                 await self._save_state(newest)
-            if self.cfg.rollout.strategy == "direct" and await self._raise_stable(newest):
+            if self.cfg.rollout.strategy == "direct" and await self._raise_everywhere(newest):
                 table = await self.policy()
-        target = self.full_target(table)
+        preview = self.preview_target(table, time.time())
+        target = preview if preview is not None else self.full_target(table)
         if target == self.holding:
-            await self._tell_gateway({"state": "serving", "version": target})  # a restarted gateway learns it here
+            if self.previewing and preview is None:  # the preview passed: the same weights now serve everyone
+                await self._settle(target)
+            # a restarted gateway learns it here
+            await self._tell_gateway({"state": "previewing" if self.previewing else "serving", "version": target})
             return
         retry_at = self.versions[target].next_attempt if target else self.base_next_attempt
         if time.monotonic() >= retry_at:
-            await self._switch_full(target, table)
+            await self._switch_full(target, table, preview=preview is not None)
 
     async def _verify(self, v: int) -> bool:
         """Check v's manifest once per life (a failure counts as a load failure, with the same backoff)."""
@@ -336,8 +402,9 @@ class Reloader:
         s.verified = True
         return True
 
-    async def _switch_full(self, v: int, table: PolicyTable) -> bool:
-        """Make vLLM hold v (its directory, or the base model for v0) with the gateway drained around the swap."""
+    async def _switch_full(self, v: int, table: PolicyTable, preview: bool = False) -> bool:
+        """Make vLLM hold v (its directory, or the base model for v0) with the gateway drained around the swap;
+        ``preview``: for the eval gate's requests only (the gateway keeps user requests waiting)."""
         s = self.versions.get(v)
         if s is not None and not await self._verify(v):
             return False
@@ -350,7 +417,7 @@ class Reloader:
         told = await self._tell_gateway({"state": "switching", "drainTimeoutSeconds": drain}, timeout=drain + 10)
         if told is not None and not told.get("drained"):
             log.warning("gateway still has %s requests in flight after %.0fs: vLLM's pause drains them", told, drain)
-        previous, self.holding = self.holding, None
+        previous, self.holding, self.previewing = self.holding, None, False
 
         async def record_held() -> None:  # vLLM is still paused: nothing has been served by v yet
             await versions.set_reloader_status(self.redis, self.keys, {"weights_version": str(v)})
@@ -372,30 +439,44 @@ class Reloader:
                 log.error("reloading the base model's weights failed (retrying): %s", exc)
             return False
         self.holding, self.base_failures = v, 0
-        await self._tell_gateway({"state": "serving", "version": v})
         self.metrics.duration.observe(time.perf_counter() - t0)
         self.metrics.reloads.labels("success").inc()
         self.metrics.last_reload.set(time.time())
-        self.metrics.loaded.set(1)
-        self.metrics.serving_version.set(v)
-        for other, o in self.versions.items():
-            if other != v and o.state == "loaded":
-                o.state = "retired"
-                await self._save_state(other)
-        if s is not None:
-            s.state, s.error, s.failures = "loaded", "", 0
+        if preview and s is not None:
+            self.previewing = True
+            s.state, s.error, s.failures = "previewing", "", 0
             await self._save_state(v)
-        status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
-        await versions.set_reloader_status(self.redis, self.keys, status)
+            await self._tell_gateway({"state": "previewing", "version": v})
+        else:
+            await self._settle(v)
         log.info(
-            "full weights v%s -> v%d (pinned=%s stable=%d) in %.2fs",
+            "full weights v%s -> v%d%s (pinned=%s stable=%d) in %.2fs",
             previous,
             v,
+            " (preview for the eval gate: user requests wait)" if self.previewing else "",
             table.pinned,
             table.stable,
             time.perf_counter() - t0,
         )
         return True
+
+    async def _settle(self, v: int) -> None:
+        """vLLM's weights v serve users: record it, then let users in. A version left ``previewing`` (its preview
+        ended without passing) goes back to ``ready``: the gate may take it again after a timeout."""
+        self.previewing = False
+        self.metrics.loaded.set(1)
+        self.metrics.serving_version.set(v)
+        for other, o in self.versions.items():
+            if other != v and o.state in ("loaded", "previewing"):
+                o.state = "retired" if o.state == "loaded" else "ready"
+                await self._save_state(other)
+        s = self.versions.get(v)
+        if s is not None:
+            s.state, s.error, s.failures = "loaded", "", 0
+            await self._save_state(v)
+        status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
+        await versions.set_reloader_status(self.redis, self.keys, status)
+        await self._tell_gateway({"state": "serving", "version": v})
 
     async def _tell_gateway(self, body: dict[str, Any], timeout: float = 2.0) -> dict[str, Any] | None:
         """Drive the gateway's weights gate (full-weight mode); None if the gateway does not answer (it then
@@ -437,11 +518,49 @@ class Reloader:
             failures=s.failures,
             error=s.error[:2000],
         )
-        await versions.save_state(self.redis, self.keys, record)
+        await versions.save_state(self.redis, self.keys, self.replica, record)
+
+    # --- heartbeat ------------------------------------------------------------------------------------------------
+    async def beat(self) -> None:
+        """This replica is live for ``heartbeat_ttl_seconds`` more (only while its vLLM answers: a replica whose
+        engine is down is not ready, drops out of the live set, and stops holding switches back)."""
+        if self.engine_seen_up:
+            ttl = self.opt.heartbeat_ttl_seconds
+            self.last_beat = await versions.beat_async(self.redis, self.keys, self.replica, ttl)
+
+    async def heartbeat(self) -> None:
+        """Beat every ``heartbeat_seconds``, apart from the reconcile loop: a long load or a full-weight swap must not
+        make a live replica look dead (its versions would stop pinning)."""
+        while True:
+            try:
+                await self.beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("heartbeat failed (retrying): %s", exc)
+            await asyncio.sleep(self.opt.heartbeat_seconds)
+
+    async def leave(self) -> None:
+        """Leave the live set at shutdown: this replica's versions stop pinning and stop holding switches at once."""
+        try:
+            await versions.leave_async(self.redis, self.keys, self.replica)
+        except Exception as exc:
+            log.warning("could not leave the live set (it lapses in %.0fs): %s", self.opt.heartbeat_ttl_seconds, exc)
 
     # --- main loop ------------------------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Boot (read every announcement so far), then reconcile forever; errors are logged and retried."""
+        """Boot (read every announcement so far), then reconcile forever with the heartbeat beside it; errors are
+        logged and retried. Cancelled: leave the live set."""
+        beating = asyncio.create_task(self.heartbeat())
+        try:
+            await self._run()
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+            await self.leave()
+
+    async def _run(self) -> None:
         while True:
             try:
                 await self.read_stream(block_ms=None)
@@ -484,6 +603,7 @@ def create_app(cfg: OnlineRLConfig, options: ReloaderOptions | None = None) -> S
             "last_tick_age_s": age,
             "restarts_detected": reloader.restarts_detected,
             "holding": reloader.holding,
+            "replica": reloader.replica,
             "last_raise": reloader.last_raise,
             "versions": {v: s.state for v, s in sorted(reloader.versions.items())},
         }
@@ -513,13 +633,13 @@ def create_app(cfg: OnlineRLConfig, options: ReloaderOptions | None = None) -> S
 def main() -> None:
     import os
 
-    import uvicorn
+    from onlinerl.asgi import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg = load_config()
     port = int(os.environ.get("ONLINERL_RELOADER_PORT", RELOADER_PORT))
-    uvicorn.run(create_app(cfg), host=cfg.serving.host, port=port, log_level="warning", access_log=False)
+    serve(create_app(cfg), cfg.serving.host, port)
 
 
 if __name__ == "__main__":

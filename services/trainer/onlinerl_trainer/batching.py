@@ -123,10 +123,23 @@ def collate(samples: Sequence[StreamSample], max_len: int, pad_id: int) -> Batch
 StaleAction = Literal["keep", "drop", "downweight"]
 
 
-def staleness_action(
-    sample_version: int, current_version: int, max_versions: int, mode: Literal["drop", "truncate"]
-) -> StaleAction:
-    """Samples generated more than ``max_versions`` policy versions ago are dropped or down-weighted (config)."""
-    if current_version - sample_version <= max_versions:
+def staleness(sample_version: int, trainer_version: int, serving_frontier: int | None = None) -> int:
+    """How many versions serving has moved past the one that generated the sample.
+
+    Measured against the newest version serving may give users (``serving_frontier``: the policy table's newest of
+    stable and candidate), capped at the trainer's own version. Under a canary the trainer writes versions faster
+    than the rollout promotes them; counting against the trainer's version would drop every sample of the version
+    users are actually served (stable) once the trainer is ``maxVersions`` ahead, and learning would stop on exactly
+    the traffic that matters. How far the trainer's weights have moved from the behaviour policy is the PPO ratio's
+    business (the clip, the dual clip and the KL to the base bound it), not this count's. ``None`` (table unreadable):
+    the trainer's version, the strict reading.
+    """
+    frontier = trainer_version if serving_frontier is None else min(trainer_version, serving_frontier)
+    return max(0, frontier - sample_version)
+
+
+def staleness_action(staleness_versions: int, max_versions: int, mode: Literal["drop", "truncate"]) -> StaleAction:
+    """Samples more than ``max_versions`` behind serving (see :func:`staleness`) are dropped or down-weighted."""
+    if staleness_versions <= max_versions:
         return "keep"
     return "drop" if mode == "drop" else "downweight"

@@ -17,7 +17,7 @@ from onlinerl.config import TrainerConfig
 from onlinerl.dataplane import audit
 from onlinerl.schemas import AuditEntry, TrainingSample
 from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
-from onlinerl_trainer.batching import StreamSample, staleness_action
+from onlinerl_trainer.batching import StreamSample, staleness, staleness_action
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.stream import Entry, SampleStream
 from onlinerl_trainer.validation import sample_problem
@@ -114,10 +114,11 @@ class SampleFeed:
         return batch
 
     # --- admission ----------------------------------------------------------------------------------------------
-    def admit(self, entries: list[Entry], version: int) -> Admitted:
+    def admit(self, entries: list[Entry], version: int, serving_frontier: int | None = None) -> Admitted:
         """Trainable samples with their advantages; everything else is acknowledged here (or, when it was trained
-        since the last publish, left for the version that holds it)."""
-        samples, discard, refused = self._admissible(entries, version)
+        since the last publish, left for the version that holds it). ``serving_frontier``: the newest version
+        serving may give users (staleness is measured against it, see batching.staleness)."""
+        samples, discard, refused = self._admissible(entries, version, serving_frontier)
         audit.record(self.stream.client, self.stream.keys, refused)  # before the ack: a failed write redelivers
         self.stream.ack(discard)
         if not samples:
@@ -133,7 +134,9 @@ class SampleFeed:
         self.stream.ack(inert)
         return Admitted(samples, adv)
 
-    def _admissible(self, entries: list[Entry], version: int) -> tuple[list[StreamSample], list[str], list[bytes]]:
+    def _admissible(
+        self, entries: list[Entry], version: int, serving_frontier: int | None = None
+    ) -> tuple[list[StreamSample], list[str], list[bytes]]:
         """Skip what was already trained, decode, validate, apply the staleness rule. Returns (trainable samples, ids
         to acknowledge without training, audit entries of the refused ones). An id trained since the last publish (or
         twice in this batch) is skipped but not acknowledged: its acknowledgement comes with the version that holds
@@ -166,22 +169,28 @@ class SampleFeed:
                 discard.append(e.sample_id)
                 refused.append(_refusal(e.sample_id, sample, problem.reason))
                 continue
-            staleness = max(0, version - sample.policy_version)
-            self.metrics.staleness.observe(staleness)
+            behind = staleness(sample.policy_version, version, serving_frontier)
+            self.metrics.staleness.observe(behind)
             stale = self.algo.staleness
-            action = staleness_action(sample.policy_version, version, stale.max_versions, stale.mode)
+            action = staleness_action(behind, stale.max_versions, stale.mode)
             if action == "drop":
                 self.metrics.stale.labels("dropped").inc()
                 discard.append(e.sample_id)
+                serving = "" if serving_frontier is None else f", serving up to v{serving_frontier}"
                 refused.append(
-                    _refusal(e.sample_id, sample, f"stale: behaviour v{sample.policy_version}, trainer v{version}")
+                    _refusal(
+                        e.sample_id,
+                        sample,
+                        f"stale: behaviour v{sample.policy_version}, {behind} versions behind (trainer v{version}"
+                        f"{serving})",
+                    )
                 )
                 continue
             cap = None
             if action == "downweight":
                 self.metrics.stale.labels("downweighted").inc()
                 cap = stale.truncate_weight
-            keep.append(StreamSample(e.sample_id, sample, staleness, cap))
+            keep.append(StreamSample(e.sample_id, sample, behind, cap))
         if again:
             self.metrics.dropped.labels("already_trained").inc(len(again))
             log.warning(

@@ -20,7 +20,7 @@ import redis
 import torch
 
 from onlinerl.config import OnlineRLConfig
-from onlinerl.dataplane import checkpoints, policy, versions
+from onlinerl.dataplane import checkpoints, holds, policy, versions
 from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
 from onlinerl_trainer.checkpoint import CheckpointStore, render_manifest
@@ -188,10 +188,10 @@ class Publisher:
         return every > 0 and time.monotonic() - self.last_publish >= every
 
     def protected_versions(self) -> set[int]:
-        """Versions a replica has loaded (or is loading) and versions the routing table points at."""
-        table_of_versions = versions.read(self.client, self.keys)
-        protected = set(table_of_versions.malformed)  # unreadable: keep it rather than guess
-        protected.update(v for v, s in table_of_versions.states.items() if s.state in ("loaded", "loading"))
+        """Versions any LIVE serving replica has loaded, is loading or may switch to (a dead replica stops pinning once
+        its heartbeat lapses), versions an evaluation holds, and those the routing table points at."""
+        protected = versions.read(self.client, self.keys).in_use()  # unreadable entries count as in use
+        protected |= holds.read(self.client, self.keys)
         table = policy.read(self.client, self.keys)
         protected.update(v for v in (table.stable, table.candidate, table.pinned) if v)
         return protected

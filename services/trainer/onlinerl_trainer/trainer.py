@@ -29,6 +29,7 @@ import redis
 import torch
 
 from onlinerl.config import OnlineRLConfig
+from onlinerl.dataplane import policy
 from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
 from onlinerl_trainer.batching import Batch, collate
@@ -204,9 +205,15 @@ class Trainer:
         """Up to ``batchSize`` entries (see SampleFeed.collect); returns early when a publish is due."""
         return self.feed.collect(stop, poll_ms, close_early=self.should_publish)
 
+    def serving_frontier(self) -> int:
+        """The newest version serving may give users now: the policy table's stable or candidate (staleness is
+        counted against it, so a trainer that outruns the rollout keeps learning from what users are served)."""
+        table = policy.read(self.client, self.keys)
+        return max(table.stable, table.candidate if table.candidate is not None else table.stable)
+
     def train_on(self, entries: list[Entry]) -> dict[str, float] | None:
         """One PPO update on these entries. Returns its statistics, or None when nothing was trainable/skipped."""
-        admitted = self.feed.admit(entries, self.version)
+        admitted = self.feed.admit(entries, self.version, self.serving_frontier())
         samples, adv = admitted.samples, admitted.advantages
         if not samples:
             return None

@@ -1,0 +1,199 @@
+"""Serving with 1 and with 2 local replicas, in one run: the gateway's added latency and the policy-switch time.
+
+Each phase starts the serving part of `onlinerl up` (``start_stack(..., serving_only=True)``: valkey, N x (vLLM +
+gateway + reloader), and with N = 2 the balancer) on the tiny random model (tests/conftest.py), ``rollout.strategy:
+direct``, then:
+  latency   sequential streaming requests, interleaved round-robin over the paths (so machine noise hits all alike):
+            ``direct`` (replica 0's vLLM, the client's body), ``gateway`` (replica 0's own gateway) and, with N = 2,
+            ``front`` (the balancer on the configured port, in front of both gateways); p50/p95 of the stream's total
+            and time to first token, and the paired median of (path - direct) per round;
+  switch    for v1..vK: XADD the announcement (the trainer's last publishing step) -> the policy table's stable is vK
+            (every live replica has loaded it; polled every 5 ms): the time users wait for a new version.
+
+    .venv/bin/python bench/replicas.py                  # -n 120 requests per path, 3 switches per phase
+    .venv/bin/python bench/replicas.py -n 200 --switches 4 --json bench/results/replicas.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.serving.lora_helpers: checkpoints written exactly as the trainer writes them
+
+from onlinerl.config import from_mapping  # noqa: E402
+from onlinerl.dataplane import policy  # noqa: E402
+from onlinerl.keys import Keys  # noqa: E402
+from onlinerl.loop.stack import LocalPorts, Stack, start_stack  # noqa: E402
+from onlinerl.valkey import free_port  # noqa: E402
+from tests.serving.lora_helpers import announce, write_lora_checkpoint  # noqa: E402
+
+JOB = "bench"
+PROMPT = "import os\n\ndef read_config(path):\n    with open(path) as f:\n        return "
+
+
+def start(n: int, state: Path, model: Path, ckpt: Path) -> Stack:
+    cfg = from_mapping(
+        {
+            "job": JOB,
+            "model": {"path": str(model), "maxModelLen": 1024},
+            "serving": {"host": "127.0.0.1", "port": free_port(), "replicas": n},
+            "rollout": {"strategy": "direct"},
+            "storage": {"checkpointDir": str(ckpt)},
+        }
+    )
+    ports = LocalPorts(redis=free_port(), reloader=free_port(), rollout=free_port(), replica_base=0)
+    return start_stack(cfg, state, build_data=False, ports=ports, serving_only=True, on_step=lambda m: None)
+
+
+def timed(client: httpx.Client, url: str, body: dict, headers: dict) -> tuple[float, float]:
+    """(time to the first text chunk, total) of one streaming request, in seconds."""
+    t0 = time.perf_counter()
+    ttft = None
+    with client.stream("POST", url, json=body, headers=headers) as resp:
+        resp.raise_for_status()
+        for chunk in resp.iter_raw():
+            if ttft is None and b'"text":"' in chunk and b'"text":""' not in chunk:
+                ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return (ttft if ttft is not None else total), total
+
+
+def latency(stack: Stack, n: int, warmup: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
+    rep = stack.replicas[0]
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    direct = {**body, "model": stack.cfg.model.served_name}
+    auth = {"Authorization": f"Bearer {stack.api_key}"}
+    paths = [
+        ("direct", f"http://127.0.0.1:{rep.engine}/v1/completions", direct, {}),
+        ("gateway", f"{rep.gateway_url}/v1/completions", body, auth),
+    ]
+    if len(stack.replicas) > 1:
+        paths.append(("front", f"http://127.0.0.1:{stack.cfg.serving.port}/v1/completions", body, auth))
+    out = {name: {"ttft": [], "total": []} for name, *_ in paths}
+    with httpx.Client(timeout=120) as client:
+        for i in range(warmup + n):
+            for name, url, payload, headers in paths if i % 2 == 0 else list(reversed(paths)):
+                ttft, total = timed(client, url, payload, headers)
+                if i >= warmup:
+                    out[name]["ttft"].append(ttft)
+                    out[name]["total"].append(total)
+    return out
+
+
+def switch_times(stack: Stack, paths: dict[int, Path], first: int, count: int) -> list[float]:
+    """Seconds from each announcement to the table's stable being that version."""
+    r = redis.Redis.from_url(stack.valkey.url)
+    keys = Keys(JOB)
+    out = []
+    try:
+        for v in range(first, first + count):
+            t0 = time.perf_counter()
+            announce(r, JOB, v, paths[v])
+            deadline = t0 + 300
+            while policy.read(r, keys).stable != v:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"v{v} not stable after 300 s (logs: {stack.paths.logs})")
+                time.sleep(0.005)
+            out.append(time.perf_counter() - t0)
+    finally:
+        r.close()
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def paired_median(a: list[float], b: list[float]) -> float:
+    return statistics.median(x - y for x, y in zip(a, b, strict=True))
+
+
+def report(results: dict) -> str:
+    rows = [
+        "| replicas | path | stream total p50 ms | p95 ms | TTFT p50 ms | p95 ms | added vs direct, paired median ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, res in results["latency"].items():
+        for name, m in res.items():
+            added = paired_median(m["total"], res["direct"]["total"]) * 1e3 if name != "direct" else 0.0
+            rows.append(
+                f"| {n} | {name} | {pct(m['total'], 0.5) * 1e3:.1f} | {pct(m['total'], 0.95) * 1e3:.1f} | "
+                f"{pct(m['ttft'], 0.5) * 1e3:.1f} | {pct(m['ttft'], 0.95) * 1e3:.1f} | {added:+.1f} |"
+            )
+    rows += ["", "| replicas | announce -> table switched, s (each switch) | median s |", "|---|---|---|"]
+    for n, times in results["switch"].items():
+        rows.append(f"| {n} | {', '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} |")
+    lat, sw = results["latency"], results["switch"]
+    if "1" in lat and "2" in lat:
+        g1 = paired_median(lat["1"]["gateway"]["total"], lat["1"]["direct"]["total"])
+        g2 = paired_median(lat["2"]["gateway"]["total"], lat["2"]["direct"]["total"])
+        f2 = paired_median(lat["2"]["front"]["total"], lat["2"]["direct"]["total"])
+        rows += [
+            "",
+            f"Ratios (same run): gateway-added latency 2 replicas / 1 = {g2 / g1:.2f}; "
+            f"through the balancer / gateway alone (2 replicas) = {f2 / g2:.2f}; "
+            f"switch time 2 replicas / 1 = {statistics.median(sw['2']) / statistics.median(sw['1']):.2f}.",
+        ]
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=120, help="measured requests per path and phase")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--switches", type=int, default=3, help="versions announced per phase")
+    ap.add_argument("--replicas", default="1,2", help="phases, in order")
+    ap.add_argument("--json", type=Path, default=None, help="write the raw figures here")
+    args = ap.parse_args()
+
+    from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
+
+    model = make_tiny_model(default_cache_dir() / "models" / "tiny-llama-2l", bootstrap_smollm2())
+    phases = [int(x) for x in args.replicas.split(",")]
+    results: dict = {
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}",
+        "args": vars(args) | {"json": str(args.json)},
+        "latency": {},
+        "switch": {},
+        "load_1m": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        paths = {v: write_lora_checkpoint(JOB, model, ckpt, v) for v in range(1, args.switches + 1)}
+        for n in phases:
+            print(f"phase: {n} replica(s): starting", file=sys.stderr, flush=True)
+            stack = start(n, Path(tmp) / f"state-{n}", model, ckpt)
+            try:
+                results["load_1m"].append(os.getloadavg()[0])
+                results["latency"][str(n)] = latency(stack, args.n, args.warmup, args.max_tokens)
+                results["switch"][str(n)] = switch_times(stack, paths, 1, args.switches)
+                results["load_1m"].append(os.getloadavg()[0])
+            finally:
+                stack.stop()
+    results["ended"] = datetime.now(UTC).isoformat(timespec="seconds")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    print(f"{results['started']} .. {results['ended']}; {results['machine']}; load 1m {results['load_1m']}")
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Hardware profiles: the defaults that depend on the machine, chosen by the product, not by a demo file.
+
+``onlinerl up`` looks for a GPU; finding none it applies the ``cpu`` profile to every field the configuration did
+not set (an explicit value always wins). Pure: a config and a choice in, a config out.
+
+Why each ``cpu`` value (docs/demo.md, "Configuration of the demonstration"; measured on 2 cores, SmolLM2-135M):
+
+* ``trainer.lora.lastLayers: 8``: the adapter covers the last 8 layers, so the backward pass stops there
+  (1.6x faster steps: 15.6 s -> 9.7 s for 8 x 320 tokens on one thread). Where a suggestion stops is decided near
+  the output, which is what the policy learns first.
+* ``trainer.torchThreads: 1``: locally the trainer shares the machine's cores with vLLM; more threads only contend.
+* ``model.maxModelLen: 1024`` (``trainer.maxSeqLen`` follows): CPU attention and the trainer's activations grow with
+  the context; an editor's prefix and suffix around the cursor fit in 1024 tokens.
+* ``trainer.batchTimeoutSeconds: 60``, ``trainer.checkpoint.everySteps: 2`` / ``everySeconds: 120``: a CPU machine
+  serves a few requests a minute; each published version costs serving a LoRA load, so versions come every two steps.
+* ``trainer.algorithm.ppoEpochs: 4``, ``learningRate: 2e-4``: with a few samples a minute, each is reused four times;
+  the PPO clip bounds how far one sample moves the policy (run 5 at 2 epochs and 1e-4 moved nothing in 11 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from onlinerl.config import OnlineRLConfig
+
+Profile = Literal["cpu", "none"]
+
+CPU_PROFILE: dict[str, Any] = {
+    "model.maxModelLen": 1024,
+    "trainer.maxSeqLen": 1024,
+    "trainer.torchThreads": 1,
+    "trainer.batchTimeoutSeconds": 60.0,
+    "trainer.lora.lastLayers": 8,
+    "trainer.algorithm.learningRate": 2e-4,
+    "trainer.algorithm.ppoEpochs": 4,
+    "trainer.checkpoint.everySteps": 2,
+    "trainer.checkpoint.everySeconds": 120.0,
+}
+
+PROFILES: dict[str, dict[str, Any]] = {"cpu": CPU_PROFILE, "none": {}}
+
+
+def gpu_present(dev: Path = Path("/dev")) -> bool:
+    """An NVIDIA device node (the driver is loaded), or a device list from the environment (CUDA_VISIBLE_DEVICES
+    naming a device). Cheap: no torch import in the CLI."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return (dev / "nvidiactl").exists() or any(dev.glob("nvidia[0-9]*"))
+
+
+def select_profile(cfg: OnlineRLConfig, has_gpu: bool) -> Profile:
+    """``profile: auto`` -> ``cpu`` when the machine has no GPU, else ``none`` (the documented defaults)."""
+    if cfg.profile != "auto":
+        return cfg.profile
+    return "none" if has_gpu else "cpu"
+
+
+def _was_set(cfg: OnlineRLConfig, path: list[str]) -> bool:
+    """Whether the configuration set this field itself (file, variables), rather than taking its default."""
+    node: Any = cfg
+    for part in path:
+        name = _field_name(node, part)
+        if name not in node.model_fields_set:
+            return False
+        node = getattr(node, name)
+    return True
+
+
+def _field_name(model: Any, alias: str) -> str:
+    for name, info in type(model).model_fields.items():
+        if alias in (name, info.alias):
+            return name
+    raise KeyError(f"{type(model).__name__} has no field {alias!r}")
+
+
+def apply_profile(cfg: OnlineRLConfig, profile: Profile) -> tuple[OnlineRLConfig, dict[str, Any]]:
+    """The config with the profile's value in every field it did not set, and the values applied (for the log)."""
+    applied: dict[str, Any] = {}
+    data = cfg.dump()
+    for dotted, value in PROFILES[profile].items():
+        path = dotted.split(".")
+        if _was_set(cfg, path):
+            continue
+        if dotted == "trainer.maxSeqLen" and _was_set(cfg, ["model", "maxModelLen"]):
+            value = max(value, cfg.model.max_model_len)  # the trainer takes whatever the user lets vLLM serve
+        node = data
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+        applied[dotted] = value
+    out = OnlineRLConfig.model_validate(data)
+    out.profile = profile
+    return out, applied
+
+
+def with_local_profile(cfg: OnlineRLConfig, has_gpu: bool | None = None) -> OnlineRLConfig:
+    """What ``onlinerl up`` runs: the profile this machine selects, applied, and said on stderr."""
+    import sys
+
+    profile = select_profile(cfg, gpu_present() if has_gpu is None else has_gpu)
+    out, applied = apply_profile(cfg, profile)
+    if applied:
+        shown = ", ".join(f"{k}={v}" for k, v in applied.items())
+        print(f"hardware profile {profile} (no GPU found or profile set): {shown}", file=sys.stderr, flush=True)
+    return out

@@ -1,0 +1,84 @@
+"""The hardware profile `onlinerl up` applies: CPU-only machines get the CPU defaults, an explicit value always wins,
+and the demonstration needs no file of its own to get them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from onlinerl.config import from_mapping
+from onlinerl.profiles import CPU_PROFILE, apply_profile, gpu_present, select_profile, with_local_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_auto_selects_cpu_without_a_gpu_and_the_documented_defaults_with_one() -> None:
+    cfg = from_mapping({})
+    assert select_profile(cfg, has_gpu=False) == "cpu"
+    assert select_profile(cfg, has_gpu=True) == "none"
+    assert select_profile(from_mapping({"profile": "cpu"}), has_gpu=True) == "cpu"  # asked for: applied anyway
+    assert select_profile(from_mapping({"profile": "none"}), has_gpu=False) == "none"
+    gpu_box = with_local_profile(cfg, has_gpu=True)
+    assert gpu_box.trainer.lora.last_layers == 0 and gpu_box.trainer.algorithm.ppo_epochs == 1
+    assert gpu_box.model.max_model_len == 2048 and gpu_box.profile == "none"
+
+
+def test_cpu_profile_fills_every_unset_field_and_never_an_explicit_one() -> None:
+    out, applied = apply_profile(from_mapping({}), "cpu")
+    assert applied == CPU_PROFILE
+    assert (out.trainer.lora.last_layers, out.trainer.torch_threads, out.model.max_model_len) == (8, 1, 1024)
+    assert (out.trainer.algorithm.ppo_epochs, out.trainer.algorithm.learning_rate) == (4, 2e-4)
+    assert (out.trainer.checkpoint.every_steps, out.trainer.checkpoint.every_seconds) == (2, 120.0)
+    assert out.trainer.max_seq_len == 1024 and out.profile == "cpu"
+    # the product's algorithm and reward are not the profile's business
+    default = from_mapping({})
+    assert out.trainer.algorithm.kl_coef == 0.1 and out.feedback.reward.preset == default.feedback.reward.preset
+
+    mine = from_mapping(
+        {"trainer": {"lora": {"lastLayers": 0}, "algorithm": {"ppoEpochs": 2}}, "model": {"maxModelLen": 2048}}
+    )
+    out, applied = apply_profile(mine, "cpu")
+    assert out.trainer.lora.last_layers == 0 and out.trainer.algorithm.ppo_epochs == 2
+    assert "trainer.lora.lastLayers" not in applied and "model.maxModelLen" not in applied
+    # the trainer still takes whatever vLLM is allowed to serve (never a cut sample)
+    assert out.model.max_model_len == 2048 and out.trainer.max_seq_len == 2048
+    # a sibling of an explicit field still gets the profile
+    assert out.trainer.algorithm.learning_rate == 2e-4
+
+
+def test_gpu_detection_reads_device_nodes_and_respects_an_empty_device_list(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert not gpu_present(tmp_path)
+    (tmp_path / "nvidia0").touch()
+    assert gpu_present(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not gpu_present(tmp_path)
+
+
+def _config_show(cwd: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """The real CLI on this GPU-less machine, with no ONLINERL__* variables from the caller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONLINERL__")}
+    return subprocess.run(
+        [sys.executable, "-m", "onlinerl.cli", "config", "show", *flags],
+        capture_output=True,
+        text=True,
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        cwd=cwd,
+        timeout=120,
+        check=True,
+    )
+
+
+def test_config_show_local_prints_what_onlinerl_up_runs(tmp_path) -> None:
+    """Through the real CLI: the profile's values, and on stderr what was applied."""
+    run = _config_show(tmp_path, "--local")
+    shown = yaml.safe_load(run.stdout)
+    assert shown["profile"] == "cpu" and shown["trainer"]["lora"]["lastLayers"] == 8
+    assert shown["trainer"]["algorithm"]["ppoEpochs"] == 4 and shown["model"]["maxModelLen"] == 1024
+    assert "hardware profile cpu" in run.stderr and "trainer.lora.lastLayers=8" in run.stderr
+    plain = yaml.safe_load(_config_show(tmp_path).stdout)
+    assert plain["trainer"]["lora"]["lastLayers"] == 0  # what every component validates: no profile

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The learning demonstration, end to end (docs/demo.md): start the stack on configs/demo.yaml, let simulated
-# users drive it while the trainer learns for DURATION seconds, then evaluate base vs latest on the held-out split.
-# Usage: [CONFIG=configs/demo.yaml] [EVAL_LIMIT=200] tools/run_demo.sh [DURATION_SECONDS=3000] [STATE_DIR=.onlinerl-demo]
+# The learning demonstration, end to end (docs/demo.md): start the stack on configs/demo.yaml (the product's defaults
+# plus the exploration temperature; the hardware profile comes from `onlinerl up`), let simulated users drive it while
+# the trainer learns for DURATION seconds, then evaluate base vs latest on the held-out split of the standard library
+# AND on a second corpus never trained on (every file of a pure-Python PyPI package: PyYAML, installed with the venv).
+# Usage: [CONFIG=configs/demo.yaml] [EVAL_LIMIT=200] [SECOND_CORPUS=dir] tools/run_demo.sh [DURATION_SECONDS=3000] [STATE_DIR=.onlinerl-demo]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-3000}
@@ -10,6 +12,7 @@ CONFIG=${CONFIG:-configs/demo.yaml}
 EVAL_LIMIT=${EVAL_LIMIT:-200}
 BIN=.venv/bin
 make setup
+SECOND_CORPUS=${SECOND_CORPUS:-$($BIN/python -c 'import yaml, os; print(os.path.dirname(yaml.__file__))')}
 mkdir -p "$STATE"
 $BIN/onlinerl --config "$CONFIG" up --state "$STATE" > "$STATE/up.log" 2>&1 &
 UP_PID=$!
@@ -24,3 +27,7 @@ $BIN/onlinerl simulate --state "$STATE" --duration "$DURATION" --requests 100000
 $BIN/onlinerl status --state "$STATE" | tee "$STATE/status.txt"
 $BIN/onlinerl eval --state "$STATE" --versions 0,latest --limit "$EVAL_LIMIT" --concurrency 4 \
   --max-tokens 32 --max-prefix-chars 600 | tee "$STATE/eval.txt"
+LATEST=$(ls "$STATE/eval" | sed -n 's/^v\([0-9]*\)\.jsonl$/\1/p' | sort -n | tail -1)  # the version just evaluated
+$BIN/onlinerl data build --corpus "$SECOND_CORPUS" --test-fraction 1 --out "$STATE/data-second"
+$BIN/onlinerl eval --state "$STATE" --data "$STATE/data-second" --versions "0,$LATEST" --limit "$EVAL_LIMIT" \
+  --concurrency 4 --max-tokens 32 --max-prefix-chars 600 --out "$STATE/eval-second" | tee "$STATE/eval-second.txt"

@@ -127,7 +127,8 @@ def test_the_gate_drain_timeout_is_reported() -> None:
         gate = WeightsGate()
         gate.open(0)
         await gate.enter(1)
-        assert await gate.shut(0.05) is False and gate.view() == {"version": 0, "switching": True, "inflight": 1}
+        assert await gate.shut(0.05) is False
+        assert gate.view() == {"version": 0, "switching": True, "inflight": 1, "previewing": False}
 
     asyncio.run(go())
 

@@ -38,6 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tracking-url", default=None, help="default: the local feedback service")
     p.add_argument("--project", default=None, help="X-Project-ID (default: the local demo project)")
     p.add_argument("--requests", type=int, default=100)
+    p.add_argument(
+        "--users",
+        type=int,
+        default=None,
+        help="distinct simulated users, each with its own key, taking turns over the --concurrency connections "
+        "(default: one per demo user key, 33; routing is by key, so a canary needs many users to get its share)",
+    )
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     p.add_argument(
         "--reject-window", type=float, default=10.0, help="seconds before a reject is reported (Continue: 10)"
@@ -53,10 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def make_client_factory(args: argparse.Namespace, split: str):
     from onlinerl.data.builder import read_jsonl, resolve_split
     from onlinerl.loop.continue_client import ContinueClient
-    from onlinerl.loop.local import local_api_key, local_config, template_for
+    from onlinerl.loop.local import local_api_key, local_config, local_user_keys, template_for
 
     cfg = local_config(args.state, args.config)
     key, project = local_api_key(args.state, args.api_key, "eval" if split == "test" else "user")  # eval pins
+    # simulated users each have their own key (routing is by key); the evaluation pins with its one eval key
+    keys = local_user_keys(args.state, args.api_key) if split == "train" else [key]
     project = getattr(args, "project", None) or project
     template = template_for(cfg, args.template)
     api_base = args.api_base or f"http://127.0.0.1:{cfg.serving.port}/v1"
@@ -77,7 +86,7 @@ def make_client_factory(args: argparse.Namespace, split: str):
         return ContinueClient(
             api_base,
             tracking,
-            key,
+            keys[uid % len(keys)],
             project,
             cfg.model.served_name,
             template,
@@ -89,13 +98,16 @@ def make_client_factory(args: argparse.Namespace, split: str):
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from onlinerl.loop.local import local_user_keys
     from onlinerl.loop.simulate import SimulateOptions, simulate
     from onlinerl.loop.user_model import AcceptRule
 
     _, samples, factory = make_client_factory(args, "train")
+    users = args.users or len(local_user_keys(args.state, args.api_key))
     opts = SimulateOptions(
         requests=args.requests,
         concurrency=args.concurrency,
+        users=max(users, args.concurrency),
         accept_delay_s=args.accept_delay,
         reject_window_s=args.reject_window,
         seed=args.seed,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.errors import CommandError
-from onlinerl.loop.stack import DEMO_TENANT, StackPaths, ensure_demo_key
+from onlinerl.loop.stack import DEMO_TENANT, StackPaths, demo_user_keys, ensure_demo_key
 from onlinerl.loop.template import template_for
 
 DEFAULT_STATE = Path(".onlinerl")
@@ -36,4 +36,15 @@ def local_api_key(state: Path, given: str | None, role: str = "user") -> tuple[s
     return ensure_demo_key(paths, role), DEMO_TENANT
 
 
-__all__ = ["DEFAULT_STATE", "local_api_key", "local_config", "template_for"]
+def local_user_keys(state: Path, given: str | None) -> list[str]:
+    """The simulated users' keys: the given key alone (every user shares it, so they share an arm), else the local
+    stack's demo user keys (one each; created by `onlinerl up`)."""
+    if given:
+        return [given]
+    paths = StackPaths(state)
+    if not paths.keys.is_file():
+        raise CommandError(f"{paths.keys} missing: pass --api-key, or start the stack with `make run`")
+    return demo_user_keys(paths)
+
+
+__all__ = ["DEFAULT_STATE", "local_api_key", "local_config", "local_user_keys", "template_for"]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -29,6 +30,9 @@ from onlinerl.loop.user_model import AcceptRule, continue_postprocess, decide
 class SimulateOptions:
     requests: int = 100
     concurrency: int = 4
+    # distinct users (client_factory(uid) for uid < users) taking turns over the connections: each request is the
+    # next user's, so every arm gets the share of users the routing gives it (a user is never in two requests at once)
+    users: int = 4
     accept_delay_s: float = 0.3
     reject_window_s: float = 10.0
     seed: int = 0
@@ -120,69 +124,79 @@ async def simulate(
             timeline.write(orjson.dumps(entry) + b"\n")
             timeline.flush()
 
-    async def user(uid: int, http: httpx.AsyncClient) -> None:
+    clients = [client_factory(uid) for uid in range(max(opts.users, opts.concurrency))]
+    idle = list(range(len(clients)))  # users not in a request now, in turn order
+
+    async def user(worker: int, http: httpx.AsyncClient) -> None:
         nonlocal next_index
-        client = client_factory(uid)
         while True:
             async with lock:
                 if next_index >= opts.requests or (opts.duration_s and time.monotonic() - start > opts.duration_s):
                     return
                 sample = samples[order[next_index % len(order)]]
                 next_index += 1
-            prefix = sample.prefix[-opts.max_prefix_chars :]
-            prompt = client.template.render(prefix, sample.suffix)
-            res = await client.complete(http, prompt)
-            totals.requests += 1
-            entry = {
-                "t": round(time.time(), 3),
-                "user": uid,
-                "sample_id": sample.id,
-                "kind": sample.kind,
-                "version": res.version,
-                "arm": res.arm,
-                "status": res.status,
-                "error": res.error or None,
-                "latency_ms": round(res.latency_ms, 1),
-                "ttft_ms": None if res.ttft_ms is None else round(res.ttft_ms, 1),
-            }
-            if res.failed:
-                totals.failed += 1
-                if timeline:
-                    timeline.write(orjson.dumps(entry) + b"\n")
-                bar.update(totals)
-                await asyncio.sleep(opts.fail_pause_s)
-                continue
-            if res.version is not None:
-                totals.versions.add(res.version)
-            shown = continue_postprocess(res.text, prefix, sample.suffix)
-            accepted = decide(shown, sample.middle, opts.rule)
-            totals.shown += bool(shown)
-            totals.accepted += accepted
-            entry.update(
-                raw=res.text,
-                shown=shown,
-                accepted=accepted,
-                middle_first_line=sample.middle.strip().split("\n")[0][:120],
-            )
-            if not shown:  # Continue displays nothing, so it logs nothing: no feedback for this rollout
-                if timeline:
-                    timeline.write(orjson.dumps(entry) + b"\n")
-                bar.update(totals)
-                continue
-            body = client.outcome(
-                prompt=prompt,
-                prefix=prefix,
-                suffix=sample.suffix,
-                filepath=sample.file,
-                shown=shown,
-                accepted=accepted,
-                latency_ms=res.latency_ms,
-            )
-            delay = opts.accept_delay_s if accepted else opts.reject_window_s
-            task = asyncio.create_task(upload(client, http, body, delay, entry))
-            uploads.add(task)
-            task.add_done_callback(uploads.discard)
+                uid = idle.pop(0)
+            client = clients[uid]
+            try:
+                await one_request(uid, client, sample, http)
+            finally:
+                idle.append(uid)
+
+    async def one_request(uid: int, client: ContinueClient, sample: Any, http: httpx.AsyncClient) -> None:
+        prefix = sample.prefix[-opts.max_prefix_chars :]
+        prompt = client.template.render(prefix, sample.suffix)
+        res = await client.complete(http, prompt)
+        totals.requests += 1
+        entry = {
+            "t": round(time.time(), 3),
+            "user": uid,
+            "sample_id": sample.id,
+            "kind": sample.kind,
+            "version": res.version,
+            "arm": res.arm,
+            "status": res.status,
+            "error": res.error or None,
+            "latency_ms": round(res.latency_ms, 1),
+            "ttft_ms": None if res.ttft_ms is None else round(res.ttft_ms, 1),
+        }
+        if res.failed:
+            totals.failed += 1
+            if timeline:
+                timeline.write(orjson.dumps(entry) + b"\n")
             bar.update(totals)
+            await asyncio.sleep(opts.fail_pause_s)
+            return
+        if res.version is not None:
+            totals.versions.add(res.version)
+        shown = continue_postprocess(res.text, prefix, sample.suffix)
+        accepted = decide(shown, sample.middle, opts.rule)
+        totals.shown += bool(shown)
+        totals.accepted += accepted
+        entry.update(
+            raw=res.text,
+            shown=shown,
+            accepted=accepted,
+            middle_first_line=sample.middle.strip().split("\n")[0][:120],
+        )
+        if not shown:  # Continue displays nothing, so it logs nothing: no feedback for this rollout
+            if timeline:
+                timeline.write(orjson.dumps(entry) + b"\n")
+            bar.update(totals)
+            return
+        body = client.outcome(
+            prompt=prompt,
+            prefix=prefix,
+            suffix=sample.suffix,
+            filepath=sample.file,
+            shown=shown,
+            accepted=accepted,
+            latency_ms=res.latency_ms,
+        )
+        delay = opts.accept_delay_s if accepted else opts.reject_window_s
+        task = asyncio.create_task(upload(client, http, body, delay, entry))
+        uploads.add(task)
+        task.add_done_callback(uploads.discard)
+        bar.update(totals)
 
     limits = httpx.Limits(max_connections=opts.concurrency * 4, max_keepalive_connections=opts.concurrency * 2)
     try:

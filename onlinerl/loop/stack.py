@@ -154,27 +154,49 @@ def say(msg: str) -> None:
     print(f"[up] {msg}", file=sys.stderr, flush=True)
 
 
+# `onlinerl simulate`'s users each have their own key: the gateway routes by key (no client may choose its arm), so
+# with one shared key every simulated user lands in the same arm and a canary gets all of the traffic or none of it.
+SIMULATED_USERS = 32
+
+
+def _demo_entries(paths: StackPaths) -> list:
+    if not paths.keys.is_file():
+        return []
+    data = yaml.safe_load(paths.keys.read_text()) or {}
+    return list(((data.get("tenants") or {}).get(DEMO_TENANT) or {}).get("keys") or [])
+
+
+def _key_role(item: str | dict) -> tuple[str, str]:
+    return (item, "user") if isinstance(item, str) else (item.get("key"), item.get("role", "user"))
+
+
 def ensure_demo_key(paths: StackPaths, role: str = "user") -> str:
     """The demo tenant's API key of ``role``: a ``user`` key for Continue and `onlinerl simulate`, an ``eval`` key
     for `onlinerl eval` and the rollout gate (they pin versions, which a user key may not). Created once, reused on
-    every start; a keys file from before roles (one plain key) gains its eval key."""
-    entries: list = []
-    if paths.keys.is_file():
-        data = yaml.safe_load(paths.keys.read_text()) or {}
-        entries = list(((data.get("tenants") or {}).get(DEMO_TENANT) or {}).get("keys") or [])
+    every start, with ``SIMULATED_USERS`` more user keys for the simulated users (:func:`demo_user_keys`); a keys file
+    from before roles (one plain key) gains its eval key."""
+    entries = _demo_entries(paths)
     by_role: dict[str, str] = {}
     for item in entries:
-        key, item_role = (item, "user") if isinstance(item, str) else (item.get("key"), item.get("role", "user"))
+        key, item_role = _key_role(item)
         by_role.setdefault(item_role, key)
-    if "user" not in by_role or "eval" not in by_role:
+    users = sum(1 for item in entries if _key_role(item)[1] == "user")
+    if "user" not in by_role or "eval" not in by_role or users < 1 + SIMULATED_USERS:
         if "user" not in by_role:
             by_role["user"] = new_api_key()
             entries.insert(0, by_role["user"])
+            users += 1
         if "eval" not in by_role:
             by_role["eval"] = new_api_key("orl-eval")
             entries.append({"key": by_role["eval"], "role": "eval"})
+        entries += [new_api_key("orl-sim") for _ in range(1 + SIMULATED_USERS - users)]
         write_keys_file(paths.keys, {DEMO_TENANT: entries})
     return by_role[role]
+
+
+def demo_user_keys(paths: StackPaths) -> list[str]:
+    """Every user key of the demo tenant, the Continue key first: one per simulated user."""
+    return [key for key, role in map(_key_role, _demo_entries(paths)) if role == "user"]
 
 
 def effective_config(cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, model_path: Path) -> OnlineRLConfig:

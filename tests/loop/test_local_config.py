@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from onlinerl.auth import write_keys_file
 from onlinerl.cli import main
 from onlinerl.errors import CommandError
 from onlinerl.loop.local import local_config
@@ -27,3 +28,24 @@ def test_a_config_without_a_redis_url_says_where_the_running_stacks_is(tmp_path,
 def test_no_stack_and_no_config_says_how_to_start_one(tmp_path) -> None:
     with pytest.raises(CommandError, match="make run"):
         local_config(tmp_path / "nothing")
+
+
+def test_the_demo_tenant_has_a_key_per_simulated_user_so_a_canary_gets_its_share(tmp_path) -> None:
+    """Routing is by key: with one shared key every simulated user lands in the same arm, and a 25% canary got all of
+    the demo's traffic or none (a 60-minute run served its canary 0 requests). `onlinerl up` creates one key per
+    simulated user; an old state directory gains them on the next start, its keys kept."""
+    from onlinerl.loop.local import local_user_keys
+    from onlinerl.loop.stack import SIMULATED_USERS, StackPaths, demo_user_keys, ensure_demo_key
+    from onlinerl_serving.routing import user_hash, user_point
+
+    paths = StackPaths(tmp_path)
+    write_keys_file(paths.keys, {"demo": ["sk-old-continue-key-0001"]})  # a state directory from before
+    continue_key = ensure_demo_key(paths)
+    keys = demo_user_keys(paths)
+    assert continue_key == "sk-old-continue-key-0001" == keys[0]
+    assert len(keys) == len(set(keys)) == 1 + SIMULATED_USERS
+    assert ensure_demo_key(paths, "eval") not in keys  # the eval key pins versions; users never do
+    assert demo_user_keys(paths) == keys and local_user_keys(tmp_path, None) == keys  # created once
+    assert local_user_keys(tmp_path, "sk-given") == ["sk-given"]
+    points = [user_point(user_hash(k)) for k in keys]
+    assert len(set(points)) == len(keys)  # every simulated user has its own place in the routing

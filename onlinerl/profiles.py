@@ -79,7 +79,9 @@ def _field_name(model: Any, alias: str) -> str:
 def apply_profile(cfg: OnlineRLConfig, profile: Profile) -> tuple[OnlineRLConfig, dict[str, Any]]:
     """The config with the profile's value in every field it did not set, and the values applied (for the log)."""
     applied: dict[str, Any] = {}
-    data = cfg.dump()
+    # Only what the config set, plus the profile's values: every other field stays unset in the result, so a later
+    # step can still tell a default from a choice (the local stack lifts the per-key hourly limit only when unset).
+    data = cfg.model_dump(by_alias=True, mode="json", exclude_unset=True)
     for dotted, value in PROFILES[profile].items():
         path = dotted.split(".")
         if _was_set(cfg, path):
@@ -88,7 +90,7 @@ def apply_profile(cfg: OnlineRLConfig, profile: Profile) -> tuple[OnlineRLConfig
             value = max(value, cfg.model.max_model_len)  # the trainer takes whatever the user lets vLLM serve
         node = data
         for part in path[:-1]:
-            node = node[part]
+            node = node.setdefault(part, {})
         node[path[-1]] = value
         applied[dotted] = value
     out = OnlineRLConfig.model_validate(data)

@@ -34,6 +34,9 @@ def test_cpu_profile_fills_every_unset_field_and_never_an_explicit_one() -> None
     assert (out.trainer.algorithm.ppo_epochs, out.trainer.algorithm.learning_rate) == (4, 2e-4)
     assert (out.trainer.checkpoint.every_steps, out.trainer.checkpoint.every_seconds) == (2, 120.0)
     assert out.trainer.max_seq_len == 1024 and out.profile == "cpu"
+    # a field neither the config nor the profile set stays unset: later steps still tell a default from a choice
+    assert "max_samples_per_user_per_hour" not in out.feedback.limits.model_fields_set
+    assert "preset" not in out.feedback.reward.model_fields_set
     # the product's algorithm and reward are not the profile's business
     default = from_mapping({})
     assert out.trainer.algorithm.kl_coef == 0.1 and out.feedback.reward.preset == default.feedback.reward.preset
@@ -82,3 +85,18 @@ def test_config_show_local_prints_what_onlinerl_up_runs(tmp_path) -> None:
     assert "hardware profile cpu" in run.stderr and "trainer.lora.lastLayers=8" in run.stderr
     plain = yaml.safe_load(_config_show(tmp_path).stdout)
     assert plain["trainer"]["lora"]["lastLayers"] == 0  # what every component validates: no profile
+
+
+def test_the_local_stack_still_lifts_the_per_key_hourly_limit_after_the_profile(tmp_path) -> None:
+    """Regression: the profile once marked every field set, so `onlinerl up` kept the 1000-per-key-hour limit and a
+    60-minute demo's events past the 1000th were audited (contribution_limit), never trained."""
+    from onlinerl.loop.stack import StackPaths, effective_config
+
+    def local(cfg):
+        return effective_config(with_local_profile(cfg, has_gpu=False), StackPaths(tmp_path), "redis://x:1/0", tmp_path)
+
+    for cfg in (from_mapping({}), from_mapping({"job": "demo", "serving": {"explorationTemperature": 0.7}})):
+        assert local(cfg).feedback.limits.max_samples_per_user_per_hour == 0
+        assert local(cfg).trainer.lora.last_layers == 8
+    local = local(from_mapping({"feedback": {"limits": {"maxSamplesPerUserPerHour": 50}}}))
+    assert local.feedback.limits.max_samples_per_user_per_hour == 50  # a limit someone set is kept

@@ -206,7 +206,7 @@ def effective_config(cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, mod
     data["model"]["path"] = str(model_path)
     data["auth"]["apiKeysFile"] = str(paths.keys.resolve())
     if "max_samples_per_user_per_hour" not in cfg.feedback.limits.model_fields_set:
-        # `onlinerl simulate` sends every simulated user through the one demo key: a per-key hourly limit would
+        # `onlinerl simulate` drives a whole team through 33 demo keys for an hour: a per-key hourly limit would
         # throttle the simulation, not a person. Set feedback.limits.maxSamplesPerUserPerHour to have one locally.
         data["feedback"]["limits"]["maxSamplesPerUserPerHour"] = 0
     ckpt = Path(data["storage"]["checkpointDir"])

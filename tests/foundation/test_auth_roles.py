@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from onlinerl.auth import ANONYMOUS_TENANT, AuthConfigError, KeyRing, key_with_role, write_keys_file
-from onlinerl.loop.stack import StackPaths, ensure_demo_key
+from onlinerl.loop.stack import SIMULATED_USERS, StackPaths, demo_user_keys, ensure_demo_key
 
 
 def ring(tenants: dict) -> KeyRing:
@@ -70,5 +70,9 @@ def test_demo_keys_hold_one_user_and_one_eval_key_and_upgrade_an_old_file(tmp_pa
     assert eval_key != "orl-old-user-key" and ensure_demo_key(paths, "eval") == eval_key  # created once
     r = KeyRing.from_file(paths.keys)
     assert r.identity_for("orl-old-user-key").role == "user" and r.identity_for(eval_key).role == "eval"
-    assert len(yaml.safe_load(paths.keys.read_text())["tenants"]["demo"]["keys"]) == 2
+    keys = yaml.safe_load(paths.keys.read_text())["tenants"]["demo"]["keys"]
+    assert len(keys) == 2 + SIMULATED_USERS  # Continue's key, the eval key, one per simulated user
+    users = demo_user_keys(paths)
+    assert users[0] == "orl-old-user-key" and len(users) == 1 + SIMULATED_USERS and len(set(users)) == len(users)
+    assert eval_key not in users
     assert oct(paths.keys.stat().st_mode & 0o777) == "0o600"

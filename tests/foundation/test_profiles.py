@@ -34,6 +34,7 @@ def test_cpu_profile_fills_every_unset_field_and_never_an_explicit_one() -> None
     assert (out.trainer.algorithm.ppo_epochs, out.trainer.algorithm.learning_rate) == (4, 2e-4)
     assert (out.trainer.checkpoint.every_steps, out.trainer.checkpoint.every_seconds) == (2, 120.0)
     assert out.trainer.max_seq_len == 1024 and out.profile == "cpu"
+    assert (out.rollout.canary_share, out.rollout.max_looks, out.rollout.strategy) == (0.5, 1, "canary")
     # a field neither the config nor the profile set stays unset: later steps still tell a default from a choice
     assert "max_samples_per_user_per_hour" not in out.feedback.limits.model_fields_set
     assert "preset" not in out.feedback.reward.model_fields_set

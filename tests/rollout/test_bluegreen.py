@@ -15,7 +15,7 @@ from onlinerl.rollout.records import ArmStats
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 from onlinerl_rollout.controller import EvalRequest, RolloutController
-from onlinerl_rollout.decision import DecisionRules, decide_watch, watch_last_look
+from onlinerl_rollout.decision import DecisionRules, Guardrails, decide_watch, watch_last_look
 from onlinerl_rollout.gate import EvalRecord, GateInput
 from tests.rollout.sim import ArmSimulator, Truth
 from tests.rollout.test_controller import FakeClock, good_eval
@@ -65,7 +65,7 @@ def switched(r: redis.Redis, truth: dict[int, Truth], evaluator=good_eval, **cfg
 
 # --- the decision function (pure) ---------------------------------------------------------------------------------
 def test_watch_window_ends_at_the_last_look_the_snapshot_allows() -> None:
-    rules = DecisionRules(min_samples=100, min_dwell_seconds=0)
+    rules = DecisionRules(min_samples=100, min_dwell_seconds=0, guardrails=Guardrails(min_shown_length_ratio=0.5))
     assert [watch_last_look(ArmStats(shown=n), rules) for n in (99, 100, 399, 400, 10**6)] == [-1, 0, 1, 2, 5]
     baseline = ArmStats(shown=400, accepted=120, served=400, shown_chars=16000, accepted_chars=4800)
     equal = ArmStats(shown=200, accepted=61, served=200, shown_chars=8000, accepted_chars=2440)

@@ -343,3 +343,18 @@ def test_the_gate_holds_both_versions_loaded_while_it_evaluates(redis_client) ->
     [rec] = ctl.tick()
     assert rec.decision == "gate_pass" and seen[1] == {2, 3}
     assert redis_client.hgetall(keys.holds).keys() == {b"3"}  # only the `onlinerl eval` field is left
+
+
+def test_max_looks_from_the_config_lets_a_newer_version_take_an_undecided_canary(redis_client) -> None:
+    """`rollout.maxLooks: 1` (the cpu profile): an equal candidate held within noise at look 1 yields to the newer
+    loaded version with no verdict on its quality; a better one is still promoted by the same test."""
+    clock = FakeClock()
+    ctl = setup_canary(redis_client, clock, rollout_cfg(min_samples=50, min_dwell_seconds=30, max_looks=1))
+    sim = ArmSimulator(redis_client, JOB, {0: Truth(0.30), 1: Truth(0.30), 2: Truth(0.60)}, seed=4)
+    publish_loaded(redis_client, JOB, 2)  # the trainer moved on while v1 was in the canary
+    decisions = run_until_decided(ctl, sim, clock, max_ticks=60)
+    kinds = [(d.decision, d.version) for d in decisions]
+    holds = [d for d in decisions if d.decision == "hold" and d.version == 1]
+    assert holds and holds[-1].figures["look"] == 1 and holds[-1].reason.startswith("within noise"), kinds
+    assert ("supersede", 1) in kinds and "inconclusive after 2 looks" in decisions[kinds.index(("supersede", 1))].reason
+    assert kinds[-1] == ("promote", 2) and policy(redis_client).stable == 2

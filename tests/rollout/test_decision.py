@@ -7,10 +7,17 @@ import random
 import pytest
 
 from onlinerl.rollout.records import ArmStats
-from onlinerl_rollout.decision import DecisionRules, decide, look_index, look_threshold
+from onlinerl_rollout.decision import DecisionRules, Guardrails, decide, look_index, look_threshold
 from onlinerl_rollout.posterior import EXACT_TERMS, BetaPosterior, _normal_prob_greater, prob_greater
 
-RULES = DecisionRules(min_samples=200, min_dwell_seconds=60, promote_probability=0.95, rollback_probability=0.95)
+# the guardrail mechanism, tested at a mean-shown-length floor of 0.5 (the default, 0.25, is a collapse backstop)
+RULES = DecisionRules(
+    min_samples=200,
+    min_dwell_seconds=60,
+    promote_probability=0.95,
+    rollback_probability=0.95,
+    guardrails=Guardrails(min_shown_length_ratio=0.5),
+)
 
 
 def arm(shown: int, rate: float, served: int | None = None) -> ArmStats:

@@ -12,7 +12,7 @@ def test_empty_config_is_canary_with_gate_and_guardrails() -> None:
     assert cfg.rollout.strategy == "canary" and cfg.rollout.gate.enabled
     rules = DecisionRules.from_config(cfg.rollout)
     assert (rules.min_samples, rules.min_dwell_seconds) == (50, 120.0) and cfg.rollout.canary_share == 0.25
-    assert rules.guardrails == Guardrails(0.8, 0.9, 0.5, 0.1, 2)
+    assert rules.guardrails == Guardrails(0.8, 0.9, 0.25, 0.1, 2) and rules.max_looks == 5
     dumped = cfg.dump()["rollout"]
     assert dumped["guardrails"]["minAcceptedCharsRatio"] == 0.9 and dumped["gate"]["minAcceptedCharsRatio"] == 0.75
 

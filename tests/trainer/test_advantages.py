@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from onlinerl.schemas import TrainingSample
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
+from onlinerl_trainer.advantages import RunningBaseline, compute_advantages, keep_fraction, subsample_negatives
 from onlinerl_trainer.batching import StreamSample, collate, fit_to_length, staleness, staleness_action
 
 
@@ -121,13 +121,35 @@ def test_staleness_rule():
 
 
 def test_staleness_counts_versions_serving_moved_past_not_the_trainers_lead():
-    # the trainer at v12 while the canary still serves stable v0 and candidate v3: a v0 sample is 3 behind serving
-    assert staleness(0, 12, serving_frontier=3) == 3
-    assert staleness_action(staleness(0, 12, serving_frontier=3), 4, "drop") == "keep"
-    # serving moved on to v9: the same v0 sample is 9 behind and dropped
-    assert staleness_action(staleness(0, 12, serving_frontier=9), 4, "drop") == "drop"
-    # a frontier ahead of the trainer (a newer trainer took over) never makes a sample look staler than the trainer
-    assert staleness(5, 6, serving_frontier=40) == 1
-    # unknown frontier: the strict reading, the trainer's own version
+    # the trainer at v12 while the canary serves stable v3 (and any candidate): a v0 sample is 3 behind serving
+    assert staleness(0, 12, oldest_served=3) == 3
+    assert staleness_action(staleness(0, 12, oldest_served=3), 4, "drop") == "keep"
+    # a sample of stable itself is fresh however far candidates and the trainer have moved
+    assert staleness(3, 12, oldest_served=3) == 0
+    # serving moved on to v9 (promoted): the same v0 sample is 9 behind and dropped
+    assert staleness_action(staleness(0, 12, oldest_served=9), 4, "drop") == "drop"
+    # a served version ahead of the trainer (a newer trainer took over) never makes a sample look staler
+    assert staleness(5, 6, oldest_served=40) == 1
+    # unknown table: the strict reading, the trainer's own version
     assert staleness(0, 12) == 12
-    assert staleness(7, 5, serving_frontier=3) == 0
+    assert staleness(7, 5, oldest_served=3) == 0
+
+
+def test_negative_subsampling_keeps_the_expected_gradient_and_every_non_negative_sample():
+    ids = [f"{1700000000000 + i}-0" for i in range(20000)]
+    adv = [0.9 if i % 10 == 0 else (0.0 if i % 10 == 1 else -0.07) for i in range(20000)]
+    keep, weighted = subsample_negatives(ids, adv, 0.15)
+    kept = set(keep)
+    assert all(i in kept for i, a in enumerate(adv) if a >= 0)  # accepts and zeros: always
+    negatives = sum(a < 0 for a in adv)
+    kept_negatives = sum(adv[i] < 0 for i in keep)
+    assert abs(kept_negatives / negatives - 0.15) < 0.01  # about the rate
+    assert all(w == pytest.approx(-0.07 / 0.15) for i, w in zip(keep, weighted, strict=True) if adv[i] < 0)
+    # unbiased: the sum of the weighted advantages matches the sum over every sample (to the sampling noise)
+    assert sum(weighted) == pytest.approx(sum(adv), rel=0.05)
+    # the same id gets the same decision (a redelivered sample), rate 1 keeps all, out-of-range rates are refused
+    assert subsample_negatives(ids, adv, 0.15) == (keep, weighted) and 0.0 <= keep_fraction(ids[0]) < 1.0
+    assert subsample_negatives(ids[:3], [-1.0, 0.5, -0.2], 1.0) == ([0, 1, 2], [-1.0, 0.5, -0.2])
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="negative sample rate"):
+            subsample_negatives(ids[:1], [-1.0], bad)

@@ -86,15 +86,16 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     assert counter(trainer, 'onlinerl_trainer_stale_samples_total{action="dropped"}') == 2
     stale_audit = [orjson.loads(d) for _, d in audit.read(redis_client, Keys(JOB))]
     stale_audit = {e["stream_id"]: e["reason"] for e in stale_audit if e["reason"].startswith("stale")}
-    reason = "stale: behaviour v3, 2 versions behind (trainer v5, serving up to v5)"
+    reason = "stale: behaviour v3, 2 versions behind (trainer v5, oldest served v5)"
     assert stale_audit == {sid: reason for sid in stale}  # each drop is on the record
     assert stream_ids(redis_client) == set(fresh)  # trained, waiting for their checkpoint
     assert not set(stale) & set(trainer.pending_ack)
     assert trainer.publish() == 6 and trainer.store.manifest(6).sample_ids == fresh
 
-    # The trainer outruns the rollout (a canary still serves stable v3 with candidate v4 while the trainer is at v6):
-    # what users are served is never stale, so a v3 sample is trained; a v2 one is still a version behind serving.
-    redis_client.hset(KEYS.policy, mapping={"stable": "3", "candidate": "4", "canary_share": "0.25"})
+    # The trainer and the candidates outrun the rollout (a canary serves stable v3 with candidate v6, the trainer's
+    # own version, 3 ahead with maxVersions 1): what users are served is never stale, so a v3 sample is trained; a
+    # v1 one is two versions behind the oldest served version and dropped.
+    redis_client.hset(KEYS.policy, mapping={"stable": "3", "candidate": "6", "canary_share": "0.25"})
     served = xadd_samples(redis_client, [sample(970, version=3), sample(971, version=3, reward=-0.25)])
     gone = xadd_samples(redis_client, [sample(972, version=1)])
     stats = trainer.train_on(trainer.collect())
@@ -144,3 +145,24 @@ def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_
         [1.0, 0.0],
         [],
     )
+
+
+def test_negative_samples_are_subsampled_with_their_weight_and_nothing_is_left_pending(
+    tmp_path, redis_client, valkey, tiny_model_path
+):
+    """negativeSampleRate 0.5 through a real stream: every accept is trained, about half the rejects are trained at
+    twice their advantage (the same expected gradient), the rest are acknowledged untrained and counted."""
+    algo = {"baseline": "none", "negativeSampleRate": 0.5}
+    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=algo, batchSize=16)
+    trainer = Trainer(cfg, redis_client, tiny_model_path)
+    trainer.start()
+    rows = [sample(i, reward=0.75 if i < 2 else -0.25) for i in range(16)]
+    xadd_samples(redis_client, rows)
+    admitted = trainer.feed.admit(trainer.collect(), trainer.version)
+    kept_rejects = [a for a in admitted.advantages if a < 0]
+    assert sorted(a for a in admitted.advantages if a > 0) == [0.75, 0.75]  # every accept
+    assert 2 <= len(kept_rejects) <= 12 and set(kept_rejects) == {-0.5}  # -0.25 / 0.5
+    skipped = counter(trainer, "onlinerl_trainer_subsampled_samples_total")
+    assert skipped == 14 - len(kept_rejects)
+    # what was kept is pending until its version; what was skipped is acknowledged now: nothing lost, nothing twice
+    assert stream_ids(redis_client) == {s.sample_id for s in admitted.samples}

@@ -54,7 +54,7 @@ class Guardrails:
 
     min_suggestion_rate_ratio: float = 0.8
     min_accepted_chars_ratio: float = 0.9
-    min_shown_length_ratio: float = 0.5
+    min_shown_length_ratio: float = 0.25
     max_empty_rate_increase: float = 0.1
     breach_looks: int = 2
 
@@ -155,6 +155,7 @@ class DecisionRules:
             cfg.min_dwell_seconds,
             cfg.promote_probability,
             cfg.rollback_probability,
+            cfg.max_looks,
             guardrails=Guardrails.from_config(cfg.guardrails),
         )
 

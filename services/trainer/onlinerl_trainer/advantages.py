@@ -7,6 +7,7 @@ value *before* that batch is folded in.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,3 +95,34 @@ def compute_advantages(
         std = math.sqrt(sum((a - mean) ** 2 for a in adv) / len(adv))
         adv = [a / (std + eps) for a in adv]
     return adv
+
+
+def keep_fraction(sample_id: str) -> float:
+    """A uniform number in [0, 1) fixed by the sample's id: a redelivered sample gets the same keep decision."""
+    digest = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def subsample_negatives(
+    sample_ids: Sequence[str], advantages: Sequence[float], rate: float
+) -> tuple[list[int], list[float]]:
+    """Importance-weighted subsampling of negative advantages: (indices to train, their advantages).
+
+    On CPU most events are rejects with a small negative advantage each (Cursor's reward, ~92% rejects), and the
+    trainer's forward/backward passes, not the data, are the scarce resource. Training each negative-advantage sample
+    with probability ``rate`` and its advantage divided by ``rate`` keeps the expected policy gradient unchanged
+    (E[1{kept} A / rate] = A), so rejections still teach, while the trainer spends its passes on ``rate`` of them
+    and keeps up with the traffic. Positive and zero advantages are always kept. ``rate`` 1 keeps everything.
+    """
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"negative sample rate must be in (0, 1], got {rate}")
+    keep: list[int] = []
+    weighted: list[float] = []
+    for i, (sid, a) in enumerate(zip(sample_ids, advantages, strict=True)):
+        if a >= 0.0 or rate >= 1.0:
+            keep.append(i)
+            weighted.append(a)
+        elif keep_fraction(sid) < rate:
+            keep.append(i)
+            weighted.append(a / rate)
+    return keep, weighted

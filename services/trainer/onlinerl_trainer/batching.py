@@ -123,19 +123,21 @@ def collate(samples: Sequence[StreamSample], max_len: int, pad_id: int) -> Batch
 StaleAction = Literal["keep", "drop", "downweight"]
 
 
-def staleness(sample_version: int, trainer_version: int, serving_frontier: int | None = None) -> int:
+def staleness(sample_version: int, trainer_version: int, oldest_served: int | None = None) -> int:
     """How many versions serving has moved past the one that generated the sample.
 
-    Measured against the newest version serving may give users (``serving_frontier``: the policy table's newest of
-    stable and candidate), capped at the trainer's own version. Under a canary the trainer writes versions faster
-    than the rollout promotes them; counting against the trainer's version would drop every sample of the version
-    users are actually served (stable) once the trainer is ``maxVersions`` ahead, and learning would stop on exactly
-    the traffic that matters. How far the trainer's weights have moved from the behaviour policy is the PPO ratio's
-    business (the clip, the dual clip and the KL to the base bound it), not this count's. ``None`` (table unreadable):
-    the trainer's version, the strict reading.
+    Measured against the oldest version serving still gives users (``oldest_served``: the policy table's stable,
+    or an older pinned or candidate version), capped at the trainer's own version. A sample of a version users are
+    still served is fresh, however far the trainer or the candidates have moved: under a canary the trainer writes
+    versions faster than the rollout promotes them, and stable's samples (half or more of the traffic) must keep
+    teaching. Counting against the trainer's version dropped all of them once it was ``maxVersions`` ahead (learning
+    stopped, screening run A); counting against the newest served version (a run of candidates) did the same once
+    the candidates were ``maxVersions`` ahead of stable. How far the trainer's weights have moved from the behaviour
+    policy is the PPO ratio's business (the clip, the dual clip and the KL to the base bound it), not this count's.
+    ``None`` (table unreadable): the trainer's version, the strict reading.
     """
-    frontier = trainer_version if serving_frontier is None else min(trainer_version, serving_frontier)
-    return max(0, frontier - sample_version)
+    floor = trainer_version if oldest_served is None else min(trainer_version, oldest_served)
+    return max(0, floor - sample_version)
 
 
 def staleness_action(staleness_versions: int, max_versions: int, mode: Literal["drop", "truncate"]) -> StaleAction:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from onlinerl.config import TrainerConfig
 from onlinerl.dataplane import audit
 from onlinerl.schemas import AuditEntry, TrainingSample
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
+from onlinerl_trainer.advantages import RunningBaseline, compute_advantages, subsample_negatives
 from onlinerl_trainer.batching import StreamSample, staleness, staleness_action
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.stream import Entry, SampleStream
@@ -114,11 +114,11 @@ class SampleFeed:
         return batch
 
     # --- admission ----------------------------------------------------------------------------------------------
-    def admit(self, entries: list[Entry], version: int, serving_frontier: int | None = None) -> Admitted:
+    def admit(self, entries: list[Entry], version: int, oldest_served: int | None = None) -> Admitted:
         """Trainable samples with their advantages; everything else is acknowledged here (or, when it was trained
-        since the last publish, left for the version that holds it). ``serving_frontier``: the newest version
+        since the last publish, left for the version that holds it). ``oldest_served``: the oldest version
         serving may give users (staleness is measured against it, see batching.staleness)."""
-        samples, discard, refused = self._admissible(entries, version, serving_frontier)
+        samples, discard, refused = self._admissible(entries, version, oldest_served)
         audit.record(self.stream.client, self.stream.keys, refused)  # before the ack: a failed write redelivers
         self.stream.ack(discard)
         if not samples:
@@ -130,12 +130,26 @@ class SampleFeed:
             running=self.baseline,
             normalize=self.algo.normalize_advantages,
         )
+        samples, adv, skipped = self._subsampled(samples, adv)
         samples, adv, inert = self._without_inert(samples, adv)
-        self.stream.ack(inert)
+        self.stream.ack(skipped + inert)
         return Admitted(samples, adv)
 
+    def _subsampled(
+        self, samples: list[StreamSample], adv: list[float]
+    ) -> tuple[list[StreamSample], list[float], list[str]]:
+        """Negative-advantage samples kept at ``negativeSampleRate``, importance-weighted (advantages.py); the others
+        are acknowledged untrained. The baseline above already saw every reward."""
+        keep, weighted = subsample_negatives([s.sample_id for s in samples], adv, self.algo.negative_sample_rate)
+        if len(keep) == len(samples):
+            return samples, weighted, []
+        kept = set(keep)
+        skipped = [s.sample_id for i, s in enumerate(samples) if i not in kept]
+        self.metrics.subsampled.inc(len(skipped))
+        return [samples[i] for i in keep], weighted, skipped
+
     def _admissible(
-        self, entries: list[Entry], version: int, serving_frontier: int | None = None
+        self, entries: list[Entry], version: int, oldest_served: int | None = None
     ) -> tuple[list[StreamSample], list[str], list[bytes]]:
         """Skip what was already trained, decode, validate, apply the staleness rule. Returns (trainable samples, ids
         to acknowledge without training, audit entries of the refused ones). An id trained since the last publish (or
@@ -169,14 +183,14 @@ class SampleFeed:
                 discard.append(e.sample_id)
                 refused.append(_refusal(e.sample_id, sample, problem.reason))
                 continue
-            behind = staleness(sample.policy_version, version, serving_frontier)
+            behind = staleness(sample.policy_version, version, oldest_served)
             self.metrics.staleness.observe(behind)
             stale = self.algo.staleness
             action = staleness_action(behind, stale.max_versions, stale.mode)
             if action == "drop":
                 self.metrics.stale.labels("dropped").inc()
                 discard.append(e.sample_id)
-                serving = "" if serving_frontier is None else f", serving up to v{serving_frontier}"
+                serving = "" if oldest_served is None else f", oldest served v{oldest_served}"
                 refused.append(
                     _refusal(
                         e.sample_id,

@@ -58,6 +58,12 @@ class TrainerMetrics:
             "samples acknowledged without a pass: zero advantage and no KL/entropy term (no gradient)",
             registry=r,
         )
+        self.subsampled = Counter(
+            "onlinerl_trainer_subsampled_samples",
+            "negative-advantage samples acknowledged untrained by trainer.algorithm.negativeSampleRate (the kept ones "
+            "carry their weight: an unbiased gradient)",
+            registry=r,
+        )
         self.invalid = Counter(
             "onlinerl_trainer_invalid_samples",
             "stream entries that are not a valid sample (acknowledged, never trained)",

@@ -205,15 +205,17 @@ class Trainer:
         """Up to ``batchSize`` entries (see SampleFeed.collect); returns early when a publish is due."""
         return self.feed.collect(stop, poll_ms, close_early=self.should_publish)
 
-    def serving_frontier(self) -> int:
-        """The newest version serving may give users now: the policy table's stable or candidate (staleness is
-        counted against it, so a trainer that outruns the rollout keeps learning from what users are served)."""
+    def oldest_served(self) -> int:
+        """The oldest version serving gives users now: the policy table's stable, or an older pinned or candidate
+        version (staleness is counted against it, so a trainer that outruns the rollout keeps learning from every
+        version users are served)."""
         table = policy.read(self.client, self.keys)
-        return max(table.stable, table.candidate if table.candidate is not None else table.stable)
+        served = [table.stable, *(v for v in (table.candidate, table.pinned) if v is not None)]
+        return min(served)
 
     def train_on(self, entries: list[Entry]) -> dict[str, float] | None:
         """One PPO update on these entries. Returns its statistics, or None when nothing was trainable/skipped."""
-        admitted = self.feed.admit(entries, self.version, self.serving_frontier())
+        admitted = self.feed.admit(entries, self.version, self.oldest_served())
         samples, adv = admitted.samples, admitted.advantages
         if not samples:
             return None

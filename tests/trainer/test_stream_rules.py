@@ -156,6 +156,7 @@ def test_negative_samples_are_subsampled_with_their_weight_and_nothing_is_left_p
     cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=algo, batchSize=16)
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
+    assert trainer.feed.entries_per_batch() == 32  # about 16 trainable ones when nearly every event is a reject
     rows = [sample(i, reward=0.75 if i < 2 else -0.25) for i in range(16)]
     xadd_samples(redis_client, rows)
     admitted = trainer.feed.admit(trainer.collect(), trainer.version)

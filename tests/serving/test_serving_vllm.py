@@ -664,6 +664,12 @@ def test_gate_evaluator_evaluates_both_versions_through_the_gateway(stack: Stack
     assert (gate_input.candidate_version, gate_input.stable_version) == (candidate, 0)
     assert len(gate_input.candidate) == 3 and len(gate_input.stable) == 3
     assert int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served")) == before + 3  # arm "eval", apart
+    # the next gate against the same stable reuses stable's records: only the candidate is asked again
+    stable_before = int(stack.redis.hget(stack.keys.stats(0, "eval"), "served") or 0)
+    again = evaluate(EvalRequest(JOB, candidate, 0, 3))
+    assert int(stack.redis.hget(stack.keys.stats(0, "eval"), "served") or 0) == stable_before
+    assert int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served")) == before + 6
+    assert again.stable == gate_input.stable and len(again.candidate) == 3
 
 
 def test_only_eval_keys_may_pin_a_version(stack: Stack) -> None:

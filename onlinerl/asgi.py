@@ -47,12 +47,27 @@ async def read_capped(
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+# An idle keep-alive connection is closed by the client, never by us. uvicorn's default (5 s) equals httpx's own
+# idle expiry (5 s; Node's undici: 4 s), so a client reusing a connection at the moment we drop it gets "server
+# disconnected without sending a response" on a POST it must not retry blindly (seen in CI right after a gateway
+# restart). Above the idle timeouts of the proxies in front of us too (nginx upstream, cloud load balancers: 60 s).
+KEEP_ALIVE_SECONDS = 75
+
+
 def serve(app: Any, host: str, port: int, **overrides: Any) -> None:
     """Run an ASGI app the way every onlinerl front end runs: uvloop + httptools (the fast parsers the latency
-    figures were measured with), lifespan on, no access log (a line per completion is the metrics' job)."""
+    figures were measured with), lifespan on, no access log (a line per completion is the metrics' job), idle
+    connections kept ``KEEP_ALIVE_SECONDS``."""
     import uvicorn
 
     options: dict[str, Any] = dict(
-        host=host, port=port, log_level="warning", access_log=False, lifespan="on", loop="uvloop", http="httptools"
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        loop="uvloop",
+        http="httptools",
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
     uvicorn.run(app, **{**options, **overrides})

@@ -524,8 +524,16 @@ class RolloutConfig(_Section):
         ge=0,
         le=10,
         description="The last look (look k at minSamples x 2^k shown per arm): a candidate still within noise there "
-        "is inconclusive and yields to a newer loaded version, with no verdict on its quality. Lower it where "
-        "traffic is thin and versions come often (the cpu profile: 1).",
+        "is inconclusive (see onInconclusive). Lower it where traffic is thin and versions come often (the cpu "
+        "profile: 1).",
+    )
+    on_inconclusive: Literal["promote", "supersede"] = Field(
+        "promote",
+        description="A candidate still within noise at the last look: promote keeps it when it shows no sign of "
+        "regression there (both rates' P(candidate >= stable) >= 0.5, no guardrail broken), as blue/green keeps a "
+        "version at the end of its watch window: it passed the eval gate offline and live traffic found no "
+        "regression (a 'kept' promotion, not a proven win). Otherwise, and always with supersede, it yields to a "
+        "newer loaded version with no verdict on its quality.",
     )
     guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
     gate: GateConfig = Field(default_factory=GateConfig)

@@ -23,9 +23,10 @@ Why each ``cpu`` value (docs/demo.md, "Configuration of the demonstration"; meas
 * ``rollout.canaryShare: 0.5``, ``rollout.maxLooks: 1``: at ~30 requests a minute and a new version every few
   minutes, a 25% canary needs ~7 minutes to reach its first look (50 shown) and a within-noise candidate held the
   canary for the whole hour (max looks 5: 1,600 shown per arm), so the newer, better-trained versions never got
-  traffic. Half the traffic reaches look 0 in ~2 minutes and look 1 in ~4; a candidate still within noise then
-  yields to the newest loaded version. The test at each look is unchanged (alpha spent over the looks), so the
-  statistics stay honest: fewer looks only give up on equal candidates sooner, they never promote one more easily.
+  traffic. Half the traffic reaches look 0 in ~2 minutes and look 1 in ~4; a candidate still within noise then is
+  kept if it shows no sign of regression (``rollout.onInconclusive: promote``, a "kept" promotion that says it is no
+  proven win), else it yields to the newest loaded version. The test for a *win* at each look is unchanged (alpha
+  spent over the looks): fewer looks never make a proven win easier.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -183,7 +184,8 @@ def test_no_flapping_under_noisy_results(redis_client) -> None:
     """Candidates as good as stable, in a long noisy stream: the raw difference flips sign again and again, but each
     candidate gets at most one verdict and stable never goes back."""
     clock = FakeClock()
-    ctl = setup_canary(redis_client, clock, rollout_cfg(min_samples=100, min_dwell_seconds=30))
+    cfg = rollout_cfg(min_samples=100, min_dwell_seconds=30, on_inconclusive="supersede")
+    ctl = setup_canary(redis_client, clock, cfg)
     truth = {v: Truth(0.30) for v in range(8)}
     sim = ArmSimulator(redis_client, JOB, truth, seed=21)
     store = RolloutStore(redis_client, Keys(JOB))
@@ -346,10 +348,12 @@ def test_the_gate_holds_both_versions_loaded_while_it_evaluates(redis_client) ->
 
 
 def test_max_looks_from_the_config_lets_a_newer_version_take_an_undecided_canary(redis_client) -> None:
-    """`rollout.maxLooks: 1` (the cpu profile): an equal candidate held within noise at look 1 yields to the newer
-    loaded version with no verdict on its quality; a better one is still promoted by the same test."""
+    """`rollout.maxLooks: 1` (the cpu profile), `onInconclusive: supersede`: an equal candidate held within noise at
+    look 1 yields to the newer loaded version with no verdict on its quality; a better one is still promoted by the
+    same test."""
     clock = FakeClock()
-    ctl = setup_canary(redis_client, clock, rollout_cfg(min_samples=50, min_dwell_seconds=30, max_looks=1))
+    cfg = rollout_cfg(min_samples=50, min_dwell_seconds=30, max_looks=1, on_inconclusive="supersede")
+    ctl = setup_canary(redis_client, clock, cfg)
     sim = ArmSimulator(redis_client, JOB, {0: Truth(0.30), 1: Truth(0.30), 2: Truth(0.60)}, seed=4)
     publish_loaded(redis_client, JOB, 2)  # the trainer moved on while v1 was in the canary
     decisions = run_until_decided(ctl, sim, clock, max_ticks=60)
@@ -358,3 +362,35 @@ def test_max_looks_from_the_config_lets_a_newer_version_take_an_undecided_canary
     assert holds and holds[-1].figures["look"] == 1 and holds[-1].reason.startswith("within noise"), kinds
     assert ("supersede", 1) in kinds and "inconclusive after 2 looks" in decisions[kinds.index(("supersede", 1))].reason
     assert kinds[-1] == ("promote", 2) and policy(redis_client).stable == 2
+
+
+def test_by_default_an_undecided_candidate_without_a_sign_of_regression_is_kept_at_the_last_look(redis_client) -> None:
+    """The product's default (`onInconclusive: promote`) with the cpu profile's `maxLooks: 1`: equal candidates, in
+    a stream of versions. At the last look each one is kept ("kept ... not a proven win") when its live point
+    estimates are not below stable's, else superseded by the newer version; every version gets at most one verdict,
+    and a kept version is the stable the next candidate is compared with."""
+    clock = FakeClock()
+    ctl = setup_canary(redis_client, clock, rollout_cfg(min_samples=50, min_dwell_seconds=30, max_looks=1))
+    sim = ArmSimulator(redis_client, JOB, {v: Truth(0.30) for v in range(12)}, seed=5)
+    decisions: list[DecisionRecord] = []
+    for tick in range(400):
+        if tick % 40 == 39:
+            publish_loaded(redis_client, JOB, 2 + tick // 40)
+        sim.serve(REQUESTS_PER_TICK)
+        clock.now += TICK_SECONDS
+        decisions += ctl.tick()
+    finals = [d for d in decisions if d.decision in ("promote", "rollback", "supersede")]
+    assert len(finals) == len({d.version for d in finals}) >= 4
+    kept = [d for d in finals if d.decision == "promote"]
+    superseded = [d for d in finals if d.decision == "supersede"]
+    assert kept and superseded, [(d.decision, d.version, d.reason) for d in finals]
+    for d in kept:
+        assert d.reason.startswith("kept at the last look (") and "not a proven win" in d.reason, d.reason
+        assert d.figures["look"] >= 1
+        assert d.figures["p_accept_rate"] >= 0.5 and d.figures["p_yield"] >= 0.5
+    for d in superseded:
+        holds = [h for h in decisions if h.decision == "hold" and h.version == d.version and h.figures]
+        assert min(holds[-1].figures["p_accept_rate"], holds[-1].figures["p_yield"]) < 0.5, d.version
+    assert not [d for d in finals if d.decision == "rollback"]  # an equal candidate is never rolled back on noise
+    assert policy(redis_client).stable == kept[-1].version
+    assert all(later.stable == earlier.version for earlier, later in itertools.pairwise(kept))

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from onlinerl.rollout.records import ArmStats
-from onlinerl_rollout.decision import DecisionRules, Guardrails, decide, look_index, look_threshold
+from onlinerl_rollout.decision import DecisionRules, Guardrails, decide, decide_canary, look_index, look_threshold
 from onlinerl_rollout.posterior import EXACT_TERMS, BetaPosterior, _normal_prob_greater, prob_greater
 
 # the guardrail mechanism, tested at a mean-shown-length floor of 0.5 (the default, 0.25, is a collapse backstop)
@@ -84,6 +84,31 @@ def test_promote_rollback_and_hysteresis_band() -> None:
     # between the bars: P(better) = 0.83 is neither past 0.975 nor below 0.025 -> hold
     v = decide(arm(1000, 0.32), stable, 1e6, -1, RULES)
     assert v.action == "hold" and "within noise" in v.reason and 0.8 < v.p_accept_rate < 0.975
+
+
+def test_canary_keeps_a_within_noise_candidate_at_the_last_look_only_without_a_sign_of_regression() -> None:
+    """`on_inconclusive: promote` (the default): at the last look a hold whose live point estimates are not worse is
+    kept, saying it is no proven win; before the last look, with a worse point estimate, with a guardrail broken,
+    or under `supersede`, it stays a hold (the controller then lets a newer version supersede it)."""
+    rules = DecisionRules(min_samples=50, min_dwell_seconds=0, max_looks=1)
+    stable = arm(100, 0.06)
+    slightly_better, slightly_worse = arm(100, 0.08), arm(100, 0.05)
+    # look 0 (50..99 shown per arm): within noise, not the last look
+    assert decide_canary(arm(60, 0.08), arm(60, 0.06), 1e6, -1, rules).action == "hold"
+    v = decide_canary(slightly_better, stable, 1e6, 0, rules)
+    assert decide(slightly_better, stable, 1e6, 0, rules).action == "hold"  # the same figures: no proven win
+    assert (v.action, v.look) == ("promote", 1) and 0.5 <= v.p_accept_rate < 0.9875
+    assert v.reason.startswith("kept at the last look (1, 100 shown per arm): passed the eval gate")
+    assert "not a proven win" in v.reason
+    assert decide_canary(slightly_better, stable, 1e6, 0, rules, gated=False).reason.count("no eval gate") == 1
+    v = decide_canary(slightly_worse, stable, 1e6, 0, rules)
+    assert v.action == "hold" and v.p_accept_rate < 0.5 and "within noise" in v.reason
+    supersede = DecisionRules(min_samples=50, min_dwell_seconds=0, max_looks=1, on_inconclusive="supersede")
+    assert decide_canary(slightly_better, stable, 1e6, 0, supersede).action == "hold"
+    # quieter: a better accept rate, but shown on 80 of 110 requests against 100 of 100 (suggestion-rate floor 0.8)
+    quiet = ArmStats(shown=100, accepted=8, rejected=92, served=130)
+    v = decide_canary(quiet, stable, 1e6, 0, rules)
+    assert v.action == "hold" and v.breaches and "guardrail broken" in v.reason
 
 
 def test_quieter_policy_rolled_back_on_yield_not_promoted_on_rate() -> None:

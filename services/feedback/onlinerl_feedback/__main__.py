@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from onlinerl.asgi import KEEP_ALIVE_SECONDS
 from onlinerl.auth import AuthConfigError, KeyRing
 from onlinerl.config import ConfigError, OnlineRLConfig, load_config
 from onlinerl.model import ModelError, resolve_model_path
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.args.log_level,
         access_log=False,
         timeout_graceful_shutdown=10,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,  # the client closes idle connections first (onlinerl.asgi)
     )
     if settings.workers == 1:
         from .app import create_app

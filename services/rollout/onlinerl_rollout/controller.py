@@ -6,8 +6,9 @@ the reloader makes each version stable itself):
 * no candidate: the newest loaded version above stable that the rollout has not judged goes through the eval gate
   (an injected ``Evaluator``); pass -> it becomes the candidate with ``rollout.canaryShare`` of users; fail -> the
   version is recorded ``gate_failed`` and the trainer keeps going (the next version gets its own chance);
-* a candidate: counters since it started are compared with ``decision.decide``; promote / rollback / hold at each
-  look, applied and recorded atomically (``store.RolloutStore.apply``). A decided version is final.
+* a candidate: counters since it started are compared with ``decision.decide_canary``; promote / rollback / hold
+  at each look, applied and recorded atomically (``store.RolloutStore.apply``); at the last look a within-noise
+  candidate with no sign of regression is kept (``rollout.onInconclusive``). A decided version is final.
 
 ``bluegreen`` (full-weight serving: one version at a time) takes versions the reloader recorded ``ready``
 (switchable) too. It gates only once stable's own arm has ``minSamples`` shown (the baseline the watch compares
@@ -47,7 +48,7 @@ from onlinerl.keys import Keys
 from onlinerl.rollout.records import ArmStats, DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
-from onlinerl_rollout.decision import DecisionRules, Verdict, decide, decide_watch, guardrail_breaches
+from onlinerl_rollout.decision import DecisionRules, Verdict, decide_canary, decide_watch, guardrail_breaches
 from onlinerl_rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
 from onlinerl_rollout.metrics import RolloutMetrics
 from onlinerl_rollout.preview import Preview
@@ -281,10 +282,12 @@ class RolloutController:
         blue = table.canary_share >= 1.0  # everyone on the candidate: no live stable arm, compare with the snapshot
         stable_stats = baseline if blue else self.store.arm_stats(stable, STABLE).minus(baseline)
         now = self.clock()
-        judge = decide_watch if blue else decide
-        v = judge(
-            cand_stats, stable_stats, now - state.started_at, state.last_look, self.rules, state.guardrail_breach_looks
-        )
+        dwell, breaches = now - state.started_at, state.guardrail_breach_looks
+        if blue:
+            v = decide_watch(cand_stats, stable_stats, dwell, state.last_look, self.rules, breaches)
+        else:
+            gated = self.cfg.gate.enabled
+            v = decide_canary(cand_stats, stable_stats, dwell, state.last_look, self.rules, breaches, gated)
         self.metrics.observe_canary(
             cand,
             stable,

@@ -26,7 +26,16 @@ Guards against noise and flapping:
   rolled back on noise); mean length, which has no posterior here, after ``breach_looks`` consecutive looks;
 * finality is the controller's part: a candidate gets at most one promote or rollback;
 * an equal candidate would hold forever and block newer versions: after ``max_looks`` looks a hold is
-  ``inconclusive``, and the controller lets a newer loaded version supersede it (no verdict on its quality).
+  ``inconclusive``. ``decide_canary`` then keeps it (a *kept* promotion, ``on_inconclusive: promote``) when it
+  shows no sign of regression: both rates' P(candidate >= stable) at least one half and no guardrail broken. It
+  passed the eval gate offline (not worse than stable by more than the gate's margins), and live traffic found
+  nothing against it, the same evidence on which blue/green keeps a version at the end of its watch window. This
+  is no proven win, and the reason says so: the alpha-spending bound above is for *wins*; a truly equal candidate
+  is kept about a quarter of the time (harmless: it is equal), and a worse one needs the gate's margins and the
+  live point estimates to miss it. Without such a sign, or with ``on_inconclusive: supersede``, the controller lets
+  a newer loaded version supersede it (no verdict on its quality). On thin traffic (2 CPU cores, a few requests a
+  minute) no look can prove a realistic improvement, and a stable that never moves keeps users, and the trainer's
+  samples, on the base policy: the kept promotion is what lets the loop advance there.
 
 Blue/green (``decide_watch``): one version serves everyone, so there is no live stable arm; the same ``decide``
 compares the candidate with a frozen snapshot of stable's counters taken at the switch. The snapshot's shown count
@@ -147,6 +156,7 @@ class DecisionRules:
     rollback_probability: float = 0.95
     max_looks: int = 5  # holds from look 5 on (32 x min_samples per arm) are inconclusive
     guardrails: Guardrails = Guardrails()
+    on_inconclusive: Literal["promote", "supersede"] = "promote"
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig) -> DecisionRules:
@@ -157,6 +167,7 @@ class DecisionRules:
             cfg.rollback_probability,
             cfg.max_looks,
             guardrails=Guardrails.from_config(cfg.guardrails),
+            on_inconclusive=cfg.on_inconclusive,
         )
 
     def inconclusive(self, last_look: int) -> bool:
@@ -285,6 +296,38 @@ def decide(
         )
     return verdict(
         "hold", f"within noise at look {look}: P(accept rate) = {p_rate:.4f}, P(yield) = {p_yield:.4f}", True
+    )
+
+
+NO_SIGN_OF_REGRESSION = 0.5  # P(candidate >= stable) on both rates: the live point estimates are not worse
+
+
+def decide_canary(
+    candidate: ArmStats,
+    stable: ArmStats,
+    dwell_seconds: float,
+    last_look: int,
+    rules: DecisionRules,
+    breach_looks: int = 0,
+    gated: bool = True,
+) -> Verdict:
+    """The canary's verdict: ``decide``, and at the last look a within-noise hold with no sign of regression is
+    kept (promoted) under ``on_inconclusive: promote`` (module doc). ``gated``: the candidate passed the eval gate
+    (``rollout.gate.enabled``), which the reason states."""
+    v = decide(candidate, stable, dwell_seconds, last_look, rules, breach_looks)
+    if rules.on_inconclusive != "promote" or not v.evaluated or v.action != "hold" or v.breaches:
+        return v
+    if v.look < rules.max_looks:
+        return v
+    if v.p_accept_rate < NO_SIGN_OF_REGRESSION or v.p_yield < NO_SIGN_OF_REGRESSION:
+        return v
+    gate = "passed the eval gate" if gated else "no eval gate (disabled)"
+    figures = f"P(accept rate) = {v.p_accept_rate:.4f}, P(yield) = {v.p_yield:.4f}, both >= {NO_SIGN_OF_REGRESSION}"
+    return replace(
+        v,
+        action="promote",
+        reason=f"kept at the last look ({v.look}, {v.samples} shown per arm): {gate}, no sign of live regression "
+        f"({figures}; no guardrail broken); within noise, not a proven win",
     )
 
 

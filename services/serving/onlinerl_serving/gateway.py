@@ -511,7 +511,7 @@ async def _send_response(send: Send, status: int, body: bytes, headers: dict[str
 # --- the app ----------------------------------------------------------------------------------------------------
 def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
     """The gateway ASGI app; Redis and the engine client are opened in the lifespan."""
-    import redis.asyncio as aioredis
+    from onlinerl.redisconn import connect_async
 
     if not cfg.redis.url:
         raise ValueError("redis.url is required for the gateway (e.g. redis://127.0.0.1:6379/0)")
@@ -522,12 +522,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
             keyring = KeyRing([], allow_anonymous=True)
         else:
             raise ValueError("auth.apiKeysFile is required (or set auth.allowAnonymous: true for a local demo)")
-    redis = aioredis.from_url(
-        cfg.redis.url,
-        socket_connect_timeout=cfg.redis.connect_timeout_seconds,
-        socket_timeout=max(2.0, cfg.redis.connect_timeout_seconds),
-        health_check_interval=10,
-    )
+    redis = connect_async(cfg.redis, health_check_interval=10)  # redis.socketTimeoutSeconds, as every component
     pool = EnginePool.from_url(
         cfg.serving.engine_url,
         connect_timeout=cfg.serving.engine_connect_timeout_seconds,

@@ -10,6 +10,8 @@ The canary test runs the controller with the eval gate off (``rollout.gate.enabl
 stop v2 before any user saw it, and that test is about the canary on live traffic. The second test restarts the
 controller with the gate on and the scripted user's judgement as its evaluator (tests/rollout/evaluators.py:
 ``scripted_user``, eval requests pinned through the real gateway): a worse v3 fails the gate, a better v4 passes.
+The third shows the accepted-characters guardrail live: a v5 whose suggestions users see shorter and accept more
+often, yet keep fewer characters of, is rolled back, never promoted.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from onlinerl.fim import get_template
 from onlinerl.keys import Keys
 from onlinerl.loop.continue_client import ContinueClient
 from onlinerl.procs import Child, python_module, wait_for
+from onlinerl.rollout import manual
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
@@ -153,6 +156,9 @@ class ScriptedUsers:
     events: int = 0  # feedback uploads acknowledged so far
     arms: dict[tuple[int, str], int] = field(default_factory=dict)  # (version, arm header) -> requests
     failed: int = 0
+    accept: dict[int, float] = field(default_factory=lambda: dict(ACCEPT))  # version -> P(accept)
+    # version -> share of each suggestion's characters the editor displays (Continue cuts displays: a prefix joins)
+    display: dict[int, float] = field(default_factory=dict)
 
     def clients(self) -> list[ContinueClient]:
         return [
@@ -180,7 +186,10 @@ class ScriptedUsers:
         shown = res.text.rstrip()
         if not shown.strip():
             return  # Continue shows nothing, so it uploads nothing
-        accepted = self.rng.random() < ACCEPT[res.version]
+        if res.version in self.display:  # keep the leading whitespace and a share of the rest: still a prefix
+            lead = len(shown) - len(shown.lstrip())
+            shown = shown[: lead + max(1, round((len(shown) - lead) * self.display[res.version]))]
+        accepted = self.rng.random() < self.accept[res.version]
         body = client.outcome(
             prompt=prompt, prefix=prefix, suffix=suffix, filepath="app.py", shown=shown, accepted=accepted,
             latency_ms=res.latency_ms,
@@ -291,3 +300,28 @@ def test_gate_on_judges_through_the_real_gateway(loop: Loop) -> None:
     assert passed.figures["candidate"]["accept_rate"] > passed.figures["stable"]["accept_rate"]
     assert passed.figures["canary_share"] == 0.5
     print(f"\ngate: v3 failed ({fail.reason}); v4 passed ({passed.reason})")
+
+
+def test_shorter_candidate_accepted_more_is_rolled_back_on_accepted_characters(loop: Loop) -> None:
+    """Reward hacking through the real gateway, feedback service and controller (the failure Cursor names first):
+    v5's suggestions reach the user at a third of their length and are accepted 95 % of the time against stable v1's
+    70 %. It wins on accept rate and loses on what users keep, accepted characters per 100 requests: the canary
+    rolls it back with that reason and never promotes it. The gate is off, as in the canary test above."""
+    loop.start_controller()  # the module's configuration: gate off
+    manual.rollback(loop.store, actor="test")  # ends the gate test's v4 canary
+    manual.set_paused(loop.store, False, actor="test")  # and releases the manual hold
+    assert (table(loop).stable, table(loop).candidate, table(loop).hold) == (1, None, None)
+    users = ScriptedUsers(loop, accept={**ACCEPT, 5: 0.95}, display={5: 1 / 3})
+
+    publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 5)
+    wait_for(lambda: table(loop).candidate == 5, timeout=120, what="v5 to become the candidate")
+    events = users.drive_until(lambda: loop.store.state(5) is not None and loop.store.state(5).state != "canary")
+    assert loop.store.state(5).state == "rolled_back"
+    assert [d.decision for _, d in loop.store.decisions(50) if d.version == 5 and d.decision == "promote"] == []
+    rollback = last_decision(loop, "rollback", 5)
+    assert "accepted chars per 100 requests" in rollback.reason
+    cand, stable = rollback.figures["candidate"], rollback.figures["stable"]
+    assert cand["accept_rate"] > stable["accept_rate"]
+    assert cand["accepted_chars_per_100"] < 0.9 * stable["accepted_chars_per_100"]
+    assert (table(loop).stable, table(loop).candidate) == (1, None) and users.failed == 0
+    print(f"\nshorter v5 rolled back after {events} feedback events: {rollback.reason}")

@@ -13,6 +13,7 @@ for the CLI.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -86,6 +87,21 @@ class ServingReplica:
                 "ONLINERL__SERVING__ENGINE_URL": f"http://127.0.0.1:{self.engine}",
             }
         return env
+
+
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM-CPU: which cores its worker's OpenMP threads are pinned to
+
+
+def engine_cpu_binding(index: int, replicas: int, cores: list[int], environ: dict[str, str]) -> dict[str, str]:
+    """The core binding of replica ``index``'s vLLM on CPU: with N > 1 local replicas, each its own core in turn.
+
+    vLLM-CPU's default (``auto``) pins every engine's worker to the first core of the NUMA node, so two local engines
+    shared core 0 while core 1 stayed idle: a request on one replica right after the other had served waited ~1 s
+    (bench/replicas.py, 2026-11-26: ~40 % of requests through a gateway). One replica keeps vLLM's default; a
+    binding the user set is kept; vLLM on a GPU does not read it."""
+    if replicas <= 1 or CPU_BIND_ENV in environ or not cores:
+        return {}
+    return {CPU_BIND_ENV: str(cores[index % len(cores)])}
 
 
 def with_serving_replicas(cfg: OnlineRLConfig, n: int) -> OnlineRLConfig:
@@ -317,7 +333,9 @@ class Stack:
                 *("--port", str(rep.engine), "--cache-dir", str(self.paths.logs.resolve())),
             )
             name = f"vllm{rep.suffix(single)}"
-            child = Child(name, argv, self.paths.logs / f"{name}.log", env=rep.env(single))
+            cores = sorted(os.sched_getaffinity(0))
+            env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, dict(os.environ))
+            child = Child(name, argv, self.paths.logs / f"{name}.log", env=env)
             self.children.append(child.start())  # appended first: a failed start is stopped with the rest
             started.append(child)
         for rep, child in zip(replicas, started, strict=True):

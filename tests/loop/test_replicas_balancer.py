@@ -256,3 +256,14 @@ def test_serving_replicas_ports_ids_and_bounds() -> None:
     for bad in (0, -1, 17):
         with pytest.raises(CommandError, match=f"--serving-replicas {bad}: give 1 to 16"):
             with_serving_replicas(base, bad)
+
+
+def test_each_local_engine_is_bound_to_its_own_core() -> None:
+    """vLLM-CPU's ``auto`` binding put every local engine on core 0 (~1 s waits with two replicas): N > 1 replicas
+    take the allowed cores in turn; one replica keeps vLLM's default; a binding the user set wins."""
+    from onlinerl.loop.stack import CPU_BIND_ENV, engine_cpu_binding
+
+    assert [engine_cpu_binding(i, 2, [0, 1], {}) for i in range(2)] == [{CPU_BIND_ENV: "0"}, {CPU_BIND_ENV: "1"}]
+    assert [engine_cpu_binding(i, 3, [2, 5], {})[CPU_BIND_ENV] for i in range(3)] == ["2", "5", "2"]
+    assert engine_cpu_binding(0, 1, [0, 1], {}) == {}
+    assert engine_cpu_binding(1, 2, [0, 1], {CPU_BIND_ENV: "nobind"}) == {}

@@ -325,6 +325,7 @@ class Stack:
         own recipe, so the shared library starts the engine without importing serving code). All start at once,
         then each is waited on: N engines load side by side."""
         single = len(replicas) == 1
+        cores, environ = sorted(os.sched_getaffinity(0)), dict(os.environ)
         started = []
         for rep in replicas:
             argv = python_module(
@@ -333,8 +334,7 @@ class Stack:
                 *("--port", str(rep.engine), "--cache-dir", str(self.paths.logs.resolve())),
             )
             name = f"vllm{rep.suffix(single)}"
-            cores = sorted(os.sched_getaffinity(0))
-            env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, dict(os.environ))
+            env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, environ)
             child = Child(name, argv, self.paths.logs / f"{name}.log", env=env)
             self.children.append(child.start())  # appended first: a failed start is stopped with the rest
             started.append(child)

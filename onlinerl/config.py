@@ -323,9 +323,19 @@ class AlgorithmConfig(_Section):
         1.0,
         gt=0,
         le=1,
-        description="Share of negative-advantage samples (rejects) trained; each trained one carries 1/rate of the "
-        "advantage, so the expected gradient is unchanged. Below 1 where trainer passes, not events, are scarce "
-        "(the cpu profile: 0.15); the rest are acknowledged untrained (onlinerl_trainer_subsampled_samples).",
+        description="Share of negative-advantage samples (rejects) trained; each trained one carries "
+        "negativeWeight/rate of its advantage (negativeWeight 1: the expected gradient is unchanged). Below 1 where "
+        "trainer passes, not events, are scarce (the cpu profile: 0.15); the rest are acknowledged untrained "
+        "(onlinerl_trainer_subsampled_samples).",
+    )
+    negative_weight: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of the rejects' expected gradient kept: a trained negative-advantage sample carries "
+        "negativeWeight / negativeSampleRate of its advantage. 1 is the unbiased policy gradient; with "
+        "negativeWeight = negativeSampleRate (the cpu profile) each trained reject carries its own advantage, not "
+        "1/rate of it, so a batch's few accepts are not drowned by a few heavily weighted rejects.",
     )
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 

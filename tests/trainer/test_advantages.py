@@ -153,3 +153,22 @@ def test_negative_subsampling_keeps_the_expected_gradient_and_every_non_negative
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="negative sample rate"):
             subsample_negatives(ids[:1], [-1.0], bad)
+
+
+def test_negative_weight_keeps_that_share_of_the_rejects_expected_gradient_and_leaves_accepts_alone():
+    """weight = rate (the cpu profile): the same samples kept, each reject at its own advantage, so the rejects'
+    summed push is the rate's share of the full one while every accept keeps its whole advantage."""
+    ids = [f"{1700000000000 + i}-0" for i in range(20000)]
+    adv = [0.9 if i % 10 == 0 else -0.07 for i in range(20000)]
+    unbiased_keep, _ = subsample_negatives(ids, adv, 0.15)
+    keep, weighted = subsample_negatives(ids, adv, 0.15, weight=0.15)
+    assert keep == unbiased_keep  # the weight never changes which samples are trained
+    assert all(w == pytest.approx(-0.07) for i, w in zip(keep, weighted, strict=True) if adv[i] < 0)
+    assert all(w == 0.9 for i, w in zip(keep, weighted, strict=True) if adv[i] > 0)
+    negatives = sum(w for w in weighted if w < 0)
+    assert negatives == pytest.approx(0.15 * sum(a for a in adv if a < 0), rel=0.05)
+    # rate 1 with a weight scales every reject by it; out-of-range weights are refused
+    assert subsample_negatives(ids[:3], [-1.0, 0.5, -0.2], 1.0, weight=0.5) == ([0, 1, 2], [-0.5, 0.5, -0.1])
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="negative weight"):
+            subsample_negatives(ids[:1], [-1.0], 0.5, weight=bad)

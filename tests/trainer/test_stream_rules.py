@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import orjson
+import pytest
 
 from onlinerl.dataplane import audit, versions
 from onlinerl.keys import Keys
@@ -147,12 +148,14 @@ def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_
     )
 
 
+@pytest.mark.parametrize(("weight", "kept_reject"), [(1.0, -0.5), (0.5, -0.25)])
 def test_negative_samples_are_subsampled_with_their_weight_and_nothing_is_left_pending(
-    tmp_path, redis_client, valkey, tiny_model_path
+    tmp_path, redis_client, valkey, tiny_model_path, weight, kept_reject
 ):
     """negativeSampleRate 0.5 through a real stream: every accept is trained, about half the rejects are trained at
-    twice their advantage (the same expected gradient), the rest are acknowledged untrained and counted."""
-    algo = {"baseline": "none", "negativeSampleRate": 0.5}
+    negativeWeight / 0.5 of their advantage (weight 1: twice it, the same expected gradient; weight 0.5 = the rate,
+    the cpu profile's choice: their own advantage), the rest are acknowledged untrained and counted."""
+    algo = {"baseline": "none", "negativeSampleRate": 0.5, "negativeWeight": weight}
     cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=algo, batchSize=16)
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
@@ -162,7 +165,7 @@ def test_negative_samples_are_subsampled_with_their_weight_and_nothing_is_left_p
     admitted = trainer.feed.admit(trainer.collect(), trainer.version)
     kept_rejects = [a for a in admitted.advantages if a < 0]
     assert sorted(a for a in admitted.advantages if a > 0) == [0.75, 0.75]  # every accept
-    assert 2 <= len(kept_rejects) <= 12 and set(kept_rejects) == {-0.5}  # -0.25 / 0.5
+    assert 2 <= len(kept_rejects) <= 12 and set(kept_rejects) == {kept_reject}  # -0.25 * weight / 0.5
     skipped = counter(trainer, "onlinerl_trainer_subsampled_samples_total")
     assert skipped == 14 - len(kept_rejects)
     # what was kept is pending until its version; what was skipped is acknowledged now: nothing lost, nothing twice

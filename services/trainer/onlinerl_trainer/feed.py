@@ -146,9 +146,10 @@ class SampleFeed:
     def _subsampled(
         self, samples: list[StreamSample], adv: list[float]
     ) -> tuple[list[StreamSample], list[float], list[str]]:
-        """Negative-advantage samples kept at ``negativeSampleRate``, importance-weighted (advantages.py); the others
-        are acknowledged untrained. The baseline above already saw every reward."""
-        keep, weighted = subsample_negatives([s.sample_id for s in samples], adv, self.algo.negative_sample_rate)
+        """Negative-advantage samples kept at ``negativeSampleRate``, weighted by ``negativeWeight`` (advantages.py);
+        the others are acknowledged untrained. The baseline above already saw every reward."""
+        ids = [s.sample_id for s in samples]
+        keep, weighted = subsample_negatives(ids, adv, self.algo.negative_sample_rate, self.algo.negative_weight)
         if len(keep) == len(samples):
             return samples, weighted, []
         kept = set(keep)

@@ -128,6 +128,12 @@ class Keys:
         return f"{self.prefix}rollout"
 
     @property
+    def controller_status(self) -> str:
+        """Hash ``activity``, ``since`` (unix s): what the rollout controller is doing that the policy table does not
+        show (an eval gate running, a version waiting for stable's baseline, a gate backing off); empty when idle."""
+        return f"{self.prefix}controller"
+
+    @property
     def trainer_status(self) -> str:
         """Hash: the trainer's live status (step, version, samples trained, last checkpoint time)."""
         return f"{self.prefix}trainer"

@@ -85,6 +85,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("arm statistics", "stats:*", "hash", "serving feedback", "rollout operator", "stats"),
     _f("decisions", "decisions", "stream", "rollout operator", "", "decisions"),
     _f("rollout verdicts", "rollout", "hash", "rollout operator", "serving", "decisions"),
+    _f("rollout controller status", "controller", "hash", "rollout", "", "decisions"),
     _f("trainer status", "trainer", "hash", "trainer", "operator", "trainer"),
     _f("trainer lease", "trainer:*", "string", "trainer", "", "trainer"),
     _f("reloader status", "reloader", "hash", "serving", "", "versions"),

@@ -6,6 +6,9 @@ decision record. All four happen or none: a concurrent manual rollback can never
 and no change is ever left unrecorded. Writers: the rollout controller and `onlinerl policy` (also the operator's
 ``rollbackTo``, through the same call). Readers: the operator (each decision becomes an Event), `onlinerl status`,
 and the reloader's direct raise (never re-raise a rolled-back version).
+
+Also the controller's status hash (``controller``): what it is doing between decisions (a gate running for minutes,
+a version waiting for stable's baseline), so `onlinerl status` can say why nothing moves.
 """
 
 from __future__ import annotations
@@ -126,3 +129,18 @@ def verdicts(client: redis.Redis, keys: Keys) -> dict[int, RolloutState]:
 def verdict(client: redis.Redis, keys: Keys, version: int) -> RolloutState | None:
     raw = client.hget(keys.rollout, str(version))
     return RolloutState.from_json(raw) if raw else None
+
+
+def write_activity(client: redis.Redis, keys: Keys, activity: str, since: float | None = None) -> None:
+    """The controller's current activity ("" when idle, or when the policy table and the canary's figures say it)."""
+    client.hset(keys.controller_status, mapping={"activity": activity, "since": f"{since or time.time():.3f}"})
+
+
+def read_activity(client: redis.Redis, keys: Keys) -> tuple[str, float | None]:
+    """(activity, since); ("", None) when the controller never wrote one. A malformed ``since`` reads as None."""
+    raw = {text(k): text(v) for k, v in (client.hgetall(keys.controller_status) or {}).items()}
+    try:
+        since: float | None = float(raw["since"])
+    except (KeyError, ValueError):
+        since = None
+    return raw.get("activity", ""), since

@@ -32,6 +32,7 @@ def collect(r: redis.Redis, job: str) -> dict:
         "canary": _canary(store, table),
         "gate": _last(store, ("gate_pass", "gate_fail")),
         "verdict": _last(store, ("promote", "rollback", "gate_fail")),
+        "activity": store.activity(),
     }
 
 
@@ -86,6 +87,10 @@ def _table(cand: dict, stable: dict, rows: tuple[tuple[str, str, str], ...]) -> 
 def render_rollout(s: dict) -> list[str]:
     """The gate's and the canary's figures (guardrails included) and the last verdict with its reason."""
     lines: list[str] = []
+    activity, since = s.get("activity") or ("", None)
+    if activity:
+        started = f" (since {time.strftime('%H:%M:%S', time.localtime(since))})" if since else ""
+        lines.append(f"rollout controller: {activity}{started}")
     c = s.get("canary")
     if c:
         st = c["state"]

@@ -53,6 +53,14 @@ class RolloutStore:
         """Decisions newer than ``last_id`` (for the operator to turn into Events and conditions)."""
         return decisions.after(self.r, self.keys, last_id, count)
 
+    def activity(self) -> tuple[str, float | None]:
+        """What the controller is doing between decisions, and since when (``decisions.read_activity``)."""
+        return decisions.read_activity(self.r, self.keys)
+
+    def say(self, activity: str, since: float | None = None) -> None:
+        """The controller's status line for `onlinerl status` (not a decision: no record, no table change)."""
+        decisions.write_activity(self.r, self.keys, activity, since)
+
     # --- the one write path ----------------------------------------------------------------------------------------
     def apply(
         self,

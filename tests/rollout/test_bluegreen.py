@@ -11,6 +11,7 @@ import redis
 from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.config import ConfigError, RolloutConfig, from_mapping
 from onlinerl.keys import Keys
+from onlinerl.loop.status import collect, render
 from onlinerl.rollout.records import ArmStats
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable, PolicyVersionState
@@ -99,6 +100,7 @@ def test_switch_waits_for_stable_baseline_then_gives_everyone_the_candidate(redi
     sim.serve(50)  # ~50 shown on v0's arm: below minSamples, the watch could never look
     assert ctl.tick() == [] and table(r).candidate is None
     assert ctl.waiting.startswith("v1 waits for stable v0's baseline") and f"of {MIN_SAMPLES} shown" in ctl.waiting
+    assert f"rollout controller: {ctl.waiting} (since " in render(collect(r, JOB))  # not only in the log
     sim.serve(100)
     [rec] = ctl.tick()
     assert rec.decision == "gate_pass" and rec.figures["canary_share"] == 1.0

@@ -11,6 +11,7 @@ import redis
 from onlinerl.config import RolloutConfig
 from onlinerl.dataplane import holds
 from onlinerl.keys import Keys
+from onlinerl.loop.status import collect, render
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
@@ -259,15 +260,44 @@ def test_evaluator_errors_retry_then_fail(redis_client) -> None:
     publish_loaded(redis_client, JOB, 1)
     clock = FakeClock()
     ctl = RolloutController(redis_client, JOB, rollout_cfg(), broken, clock=clock, gate_attempts=3)
+    store = RolloutStore(redis_client, Keys(JOB))
     assert ctl.tick() == [] and len(calls) == 1
+    # `onlinerl status` says why nothing moves: the gate is backing off, with the error and the time left
+    note = "eval gate of v1 failed 1 of 3 times (serving unreachable); next attempt in 2s"
+    assert store.activity() == (note, clock.now)
+    assert f"rollout controller: {note}" in render(collect(redis_client, JOB))
     clock.now += 1.0
     assert ctl.tick() == [] and len(calls) == 1  # retries are spaced in time (2 s, then 4 s), not in ticks
+    assert store.activity()[0].endswith("next attempt in 1s")
     clock.now += 1.0
     assert ctl.tick() == [] and len(calls) == 2
     clock.now += 4.0
     [rec] = ctl.tick()
     assert rec.decision == "gate_fail" and "evaluator failed 3 times: serving unreachable" in rec.reason
     assert len(calls) == 3 and calls[0].samples == 64
+    assert store.activity()[0] == "" and "rollout controller:" not in render(collect(redis_client, JOB))
+
+
+def test_status_shows_the_gate_while_it_runs_and_a_paused_wait(redis_client) -> None:
+    """A gate takes minutes on CPU: meanwhile `onlinerl status` says which versions it compares, and since when."""
+    store = RolloutStore(redis_client, Keys(JOB))
+    during = []
+
+    def watching(req: EvalRequest) -> GateInput:
+        during.append(store.activity())
+        return good_eval(req)
+
+    redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=0, paused=True).to_redis())
+    publish_loaded(redis_client, JOB, 1)
+    clock = FakeClock()
+    ctl = RolloutController(redis_client, JOB, rollout_cfg(), watching, clock=clock)
+    assert ctl.tick() == [] and during == []
+    assert store.activity()[0] == "paused: v1 waits for `onlinerl policy resume` to be gated"
+    redis_client.hset(Keys(JOB).policy, "paused", "0")
+    [rec] = ctl.tick()
+    assert rec.decision == "gate_pass"
+    assert during == [("eval gate running: v1 vs stable v0 on 64 held-out samples", clock.now)]
+    assert store.activity()[0] == ""  # the canary's own figures say the rest
 
 
 def test_stale_decision_never_overwrites_a_manual_rollback(redis_client) -> None:

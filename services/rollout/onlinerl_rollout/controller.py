@@ -110,11 +110,14 @@ class RolloutController:
         self.gate_retry_seconds = gate_retry_seconds
         self._gate_errors: dict[int, int] = {}
         self._gate_retry_at: dict[int, float] = {}
+        self._gate_error_text: dict[int, str] = {}
         self._paused_noted: set[tuple[int, int]] = set()
         self.last_tick_ok: float | None = None  # monotonic time of the last tick that reached Redis
         self.evaluating: int | None = None  # the version under eval (an eval can take minutes: still healthy)
         self.preview: Preview | None = None  # full weights: the preview the last gate started (ended by its verdict)
         self.waiting: str = ""  # why no gate runs although a version is waiting (bluegreen: stable's baseline)
+        self.doing: str = ""  # this tick's activity for `onlinerl status` (store.say), "" when idle
+        self._said: str | None = None  # the activity last written: written again only on change
 
     # --- the loop ----------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval: float = 5.0) -> None:
@@ -132,21 +135,30 @@ class RolloutController:
             self.last_tick_ok = time.monotonic()
             return []
         table = self.store.policy()
+        self.doing = ""
         out = self._start_candidate(table) if table.candidate is None else self._judge_candidate(table)
+        self._say(self.doing)
         self.last_tick_ok = time.monotonic()
         return out
+
+    def _say(self, activity: str) -> None:
+        """Publish what the controller is doing (a gate, a wait) when it changed; `onlinerl status` shows it."""
+        if activity != self._said:
+            self.store.say(activity, self.clock())
+            self._said = activity
 
     # --- gate ----------------------------------------------------------------------------------------------------
     def _start_candidate(self, table: PolicyTable) -> list[DecisionRecord]:
         self.metrics.no_canary()
-        if table.paused:
-            return []
         judged = self.store.states()
         known = self.store.versions()
         fresh = sorted(
             v for v, s in known.items() if s.state in self._gateable and v > table.stable and v not in judged
         )
         if not fresh:
+            return []
+        if table.paused:
+            self.doing = f"paused: v{fresh[-1]} waits for `onlinerl policy resume` to be gated"
             return []
         out = [rec for old in fresh[:-1] if (rec := self._supersede(old, fresh[-1], table.stable))]
         newest = fresh[-1]
@@ -216,7 +228,7 @@ class RolloutController:
         why = f"v{version} waits for stable v{stable}'s baseline: {shown} of {self.rules.min_samples} shown"
         if why.split(":")[0] != self.waiting.split(":")[0]:
             log.info("%s", why)
-        self.waiting = why
+        self.waiting = self.doing = why
         return False
 
     def _run_gate(self, version: int, stable: int, needs_preview: bool = False) -> GateResult | str | None:
@@ -225,6 +237,7 @@ class RolloutController:
         if not self.cfg.gate.enabled:
             return _passed_without_eval()
         if self.clock() < self._gate_retry_at.get(version, 0.0):
+            self.doing = self._backoff_note(version)
             return None  # backing off after an evaluator error
         self.preview = self._new_preview(version) if needs_preview else None
         enter = self.preview.enter if self.preview is not None else _in_place
@@ -233,6 +246,7 @@ class RolloutController:
         # and without a hold the reloader retired the candidate under it (keepVersions), failing its requests.
         held = holds.hold(self.r, self.keys, [stable, version], GATE_HOLD_SECONDS, holder=GATE_HOLDER)
         self.evaluating = version
+        self._say(f"eval gate running: v{version} vs stable v{stable} on {self.cfg.gate.eval_samples} held-out samples")
         try:
             inp = self.evaluator(req)  # type: ignore[misc]
             if self.preview is not None:
@@ -245,7 +259,11 @@ class RolloutController:
             n = self._gate_errors[version] = self._gate_errors.get(version, 0) + 1
             self._gate_retry_at[version] = self.clock() + self.gate_retry_seconds * 2 ** (n - 1)
             log.warning("eval of v%d failed (attempt %d of %d): %s", version, n, self.gate_attempts, exc)
-            return f"evaluator failed {n} times: {exc}" if n >= self.gate_attempts else None
+            self._gate_error_text[version] = str(exc)[:200]
+            if n >= self.gate_attempts:
+                return f"evaluator failed {n} times: {exc}"
+            self.doing = self._backoff_note(version)
+            return None
         finally:
             self.evaluating = None
             holds.release(self.r, self.keys, held, holder=GATE_HOLDER)
@@ -253,6 +271,11 @@ class RolloutController:
         guardrails = sum(1 for reason in result.reasons if reason.startswith("guardrail:"))
         self.metrics.observe_gate(version, stable, result.figures(), guardrails)
         return result
+
+    def _backoff_note(self, version: int) -> str:
+        n, wait = self._gate_errors.get(version, 0), self._gate_retry_at.get(version, 0.0) - self.clock()
+        last = self._gate_error_text.get(version, "")
+        return f"eval gate of v{version} failed {n} of {self.gate_attempts} times ({last}); next attempt in {wait:.0f}s"
 
     def _new_preview(self, version: int) -> Preview:
         def state() -> str | None:

@@ -421,8 +421,9 @@ class GateConfig(_Section):
     """The offline eval gate: held-out requests to candidate and stable; the candidate must not be clearly worse.
 
     With ``evalSamples`` records per version the figures are noisy (64 records, 20 accepts: about 20 % relative
-    error on accepted characters), so the gate's bars are coarse screens for broken or degenerate policies; the
-    canary, on live traffic with sequential tests, is where a candidate earns its promotion.
+    error on accepted characters), so the gate's bars are coarse screens for broken or degenerate policies, and a
+    rate past its bar fails only when the shortfall is credible (``confidence``); the canary, on live traffic with
+    sequential tests, is where a candidate earns its promotion.
 
     Full-weight mode (one version in vLLM) evaluates stable while it serves, then *previews* the candidate: the
     reloader swaps vLLM's weights to it while the gateway holds user requests and lets only the gate's eval requests
@@ -448,6 +449,14 @@ class GateConfig(_Section):
     min_length_ratio: float = Field(0.25, ge=0, description="Guardrail: mean shown length >= this x stable's.")
     max_length_ratio: float = Field(4.0, ge=1, description="Guardrail: mean shown length <= this x stable's.")
     eval_samples: int = Field(64, ge=1)
+    confidence: float = Field(
+        0.95,
+        ge=0.5,
+        lt=1,
+        description="A rate past its margin or floor (accept rate, accepted per 100 requests, suggestion rate, "
+        "accepted characters) fails the gate only when P(candidate's rate below stable's) >= this: at evalSamples "
+        "64 a candidate that loses 2 of ~7 accepts is noise, not a regression.",
+    )
     preview_timeout_seconds: float = Field(
         180.0,
         gt=0,

@@ -54,11 +54,37 @@ def test_length_checks() -> None:
 
 
 def test_worse_accept_rate_fails_within_margin_passes() -> None:
-    assert any(r.startswith("accept rate") for r in gate(records(accept_every=6)).reasons)
+    worse = gate(records(accept_every=6))  # 10 vs 20 of 60 accepted: P(candidate below stable) = 0.98
+    assert any(r.startswith("accept rate 0.167 < stable 0.333 - margin 0.02 (P = 0.98") for r in worse.reasons)
+    assert any(r.startswith("accepted per 100 requests 16.67 < stable 33.33") for r in worse.reasons)
     # 19/60 vs 20/60 accepted: within the 0.02 and 2.0 margins
     near = records()
     near[0] = EvalRecord(near[0].shown_text, False)
     assert gate(near).passed
+
+
+def test_a_shortfall_within_noise_passes_and_a_credible_one_fails() -> None:
+    """Run 11's gates (docs/demo.md): 64 held-out requests, stable accepted 7, the candidate 5 with shorter text.
+    Past the 0.02 / 2.0 margins and the 0.75 accepted-characters floor by point figures, but P(candidate below) is
+    0.72 and 0.81: noise at this size, so it passes (the canary judges it live). Three times the shortfall fails."""
+    th = GateThresholds.from_config(GateConfig())  # the defaults: 64 records, confidence 0.95
+
+    def run(accepted: int, text: str) -> list[EvalRecord]:
+        return [EvalRecord(text if i < 60 else "", i < accepted) for i in range(64)]
+
+    stable, near = run(7, "total += item.price * 2"), run(5, "total += 1")
+    result = evaluate_gate(GateInput(2, 1, near, stable), th)
+    assert result.candidate.accepted_per_100 < result.stable.accepted_per_100 - th.accepted_per_100_margin
+    assert result.candidate.accepted_chars_per_100 < 0.75 * result.stable.accepted_chars_per_100
+    assert result.passed, result.reasons
+    far = evaluate_gate(GateInput(2, 1, run(0, "total += 1"), run(15, "total += item.price * 2")), th)
+    assert not far.passed
+    assert {r.split(" ")[0] for r in far.reasons} == {"accept", "accepted", "guardrail:"}
+    assert all("(P = " in r and ">= 0.95)" in r for r in far.reasons)
+    # a stricter gate (confidence 0.5) fails the noisy one too: the bar is the config's, not the code's
+    assert not evaluate_gate(
+        GateInput(2, 1, near, stable), GateThresholds.from_config(GateConfig(confidence=0.5))
+    ).passed
 
 
 def test_degenerate_stable_does_not_block_a_repair() -> None:

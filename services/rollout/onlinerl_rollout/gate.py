@@ -10,6 +10,14 @@ requests), accepted characters per 100 requests and mean shown length, each agai
 Degeneracy checks compare against fixed bars *and* against stable: a bar that the stable policy itself already
 breaks (the base model degenerates on some prompts) would otherwise block every candidate, including the ones that
 repair it. So a check fails when the candidate is over its bar and worse than stable.
+
+The figures that compare rates with stable's (accept rate, accepted per 100 requests, suggestion rate, accepted
+characters) fail only when the shortfall is credible: the point figure is past its bar *and* the Beta posterior
+probability that the candidate's rate is below stable's (times the floor) is at least ``confidence``. At 64 records
+and ~7 accepts a version that loses 2 of them is within noise (P ~ 0.7), yet it was past the 0.02 / 2.0 margins:
+in run 11 (docs/demo.md) two of three gates failed that way, each costing ~8 minutes of a 2-core machine and
+holding every user on the base model. A candidate that is truly worse at the gate's size still fails (10 vs 20
+accepts of 60: P = 0.98), and the live canary, with its own sequential test, is where promotion is earned.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from onlinerl.config import GateConfig
+from onlinerl_rollout.decision import prob_below
 
 NGRAM = 4
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -67,6 +76,7 @@ class GateThresholds:
     min_length_ratio: float = 0.25
     min_suggestion_rate_ratio: float = 0.8
     min_accepted_chars_ratio: float = 0.75
+    confidence: float = 0.95
 
     @classmethod
     def from_config(cls, cfg: GateConfig, **overrides: float) -> GateThresholds:
@@ -80,6 +90,7 @@ class GateThresholds:
             cfg.min_length_ratio,
             cfg.min_suggestion_rate_ratio,
             cfg.min_accepted_chars_ratio,
+            cfg.confidence,
         )
         return cls(**{**asdict(base), **overrides})
 
@@ -156,24 +167,32 @@ def evaluate_gate(inp: GateInput, th: GateThresholds) -> GateResult:
             reasons.append(
                 f"{name} eval has {fig.requests} records, the gate needs {th.min_records} (gate.evalSamples)"
             )
-    if cand.accept_rate < stab.accept_rate - th.accept_rate_margin:
+    credible = _Credible(cand, stab, th.confidence)
+    if cand.accept_rate < stab.accept_rate - th.accept_rate_margin and credible.below("accepted", "shown", 1.0):
         reasons.append(
             f"accept rate {cand.accept_rate:.3f} < stable {stab.accept_rate:.3f} - margin {th.accept_rate_margin}"
+            f"{credible.said()}"
         )
-    if cand.accepted_per_100 < stab.accepted_per_100 - th.accepted_per_100_margin:
+    if cand.accepted_per_100 < stab.accepted_per_100 - th.accepted_per_100_margin and credible.below(
+        "accepted", "requests", 1.0
+    ):
         reasons.append(
             f"accepted per 100 requests {cand.accepted_per_100:.2f} < stable {stab.accepted_per_100:.2f} "
-            f"- margin {th.accepted_per_100_margin}"
+            f"- margin {th.accepted_per_100_margin}{credible.said()}"
         )
-    if cand.suggestion_rate < th.min_suggestion_rate_ratio * stab.suggestion_rate:
+    if cand.suggestion_rate < th.min_suggestion_rate_ratio * stab.suggestion_rate and credible.below(
+        "shown", "requests", th.min_suggestion_rate_ratio
+    ):
         reasons.append(
             f"guardrail: suggestion rate {cand.suggestion_rate:.3f} < {th.min_suggestion_rate_ratio} x stable "
-            f"{stab.suggestion_rate:.3f}"
+            f"{stab.suggestion_rate:.3f}{credible.said()}"
         )
-    if cand.accepted_chars_per_100 < th.min_accepted_chars_ratio * stab.accepted_chars_per_100:
+    if cand.accepted_chars_per_100 < th.min_accepted_chars_ratio * stab.accepted_chars_per_100 and credible.below(
+        "accepted", "requests", th.min_accepted_chars_ratio * _accepted_length_ratio(cand, stab)
+    ):
         reasons.append(
             f"guardrail: accepted chars per 100 requests {cand.accepted_chars_per_100:.1f} < "
-            f"{th.min_accepted_chars_ratio} x stable {stab.accepted_chars_per_100:.1f}"
+            f"{th.min_accepted_chars_ratio} x stable {stab.accepted_chars_per_100:.1f}{credible.said()}"
         )
     if cand.empty_rate > th.max_empty_rate and cand.empty_rate > stab.empty_rate:
         reasons.append(f"empty rate {cand.empty_rate:.3f} > max {th.max_empty_rate} (stable {stab.empty_rate:.3f})")
@@ -195,3 +214,36 @@ def evaluate_gate(inp: GateInput, th: GateThresholds) -> GateResult:
                 f"min {th.min_length_ratio}x"
             )
     return GateResult(not reasons, tuple(reasons), cand, stab)
+
+
+@dataclass
+class _Credible:
+    """Whether a candidate's rate is credibly below ``ratio`` x stable's: P(p_c < ratio p_s) >= ``confidence``
+    (Beta(1, 1) posteriors of the two versions' counts; ``decision.prob_below``). Keeps the last probability for the
+    failure's reason."""
+
+    cand: EvalFigures
+    stab: EvalFigures
+    confidence: float
+    last: float = 0.0
+
+    def below(self, successes: str, trials: str, ratio: float) -> bool:
+        c, s = self.cand, self.stab
+        self.last = prob_below(
+            getattr(c, successes), getattr(c, trials), ratio, getattr(s, successes), getattr(s, trials)
+        )
+        return self.last >= self.confidence
+
+    def said(self) -> str:
+        return f" (P = {self.last:.3f} >= {self.confidence})"
+
+
+def _accepted_length_ratio(cand: EvalFigures, stab: EvalFigures) -> float:
+    """Stable's mean accepted length over the candidate's: accepted characters per request = yield x mean accepted
+    length, and the noise is in the yield (the live guardrail's reading, ``decision.guardrail_breaches``). 1 when
+    either accepted nothing (then the yields alone are compared)."""
+    if not cand.accepted or not stab.accepted:
+        return 1.0
+    len_c = cand.accepted_chars_per_100 / cand.accepted_per_100
+    len_s = stab.accepted_chars_per_100 / stab.accepted_per_100
+    return len_s / len_c if len_c > 0 else 1.0

@@ -334,8 +334,8 @@ class AlgorithmConfig(_Section):
         le=1,
         description="Share of the rejects' expected gradient kept: a trained negative-advantage sample carries "
         "negativeWeight / negativeSampleRate of its advantage. 1 is the unbiased policy gradient; with "
-        "negativeWeight = negativeSampleRate (the cpu profile) each trained reject carries its own advantage, not "
-        "1/rate of it, so a batch's few accepts are not drowned by a few heavily weighted rejects.",
+        "negativeWeight = negativeSampleRate each trained reject carries its own advantage, not 1/rate of it: less "
+        "variance, at the price of 1 - weight of the rejects' push (docs/demo.md, run 11: no better in one run).",
     )
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 

@@ -58,8 +58,8 @@ The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choos
     scarce (CPU) a reject is trained with probability rate and A_i scaled by negativeWeight / rate. Weight 1 keeps
     the expected gradient but multiplies each kept reject's A by 1/rate (6.7 at 0.15): a batch's one or two accepts
     then share the update with rejects whose noise (credit spread over every token, a correct first line included)
-    is sqrt(1/rate) = 2.6x larger. The cpu profile sets weight = rate: a kept reject moves the policy by its own A,
-    the rejects' summed push is rate x the full one (docs/demo.md, runs 10 and 11).
+    is sqrt(1/rate) = 2.6x larger. Weight = rate trains a kept reject at its own A (the rejects' summed push is rate
+    x the full one): run 11 (docs/demo.md) measured it no better than weight 1 in an hour, so the default stays 1.
     Not used: advantage normalisation (divides ~0.1-scale reject advantages by a batch std of ~0.3: larger steps,
     the wrong direction for stability); per-context baselines (each context is served once: a group baseline needs
     n samples per request, n times the CPU serving cost). The entropy of the sampled positions is reported every step

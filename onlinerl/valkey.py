@@ -9,6 +9,7 @@ data-plane contract (:mod:`onlinerl.dataplane.acl`), ``default`` off; :meth:`Emb
 
 from __future__ import annotations
 
+import random
 import secrets
 import socket
 import subprocess
@@ -97,10 +98,35 @@ def _server_class():
     return AuthenticatingServer
 
 
+# Below Linux's default ephemeral range (32768-60999): ports there are what the kernel hands the next outgoing
+# connection, or a library's own listener bound to port 0 (vLLM's engine sockets), at any moment.
+FREE_PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+_rng = random.Random()  # its own generator: a test that seeds the global one must not make every run pick alike
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now and that this process has not handed out before.
+
+    Not ``bind(0)``: the kernel picks that from its ephemeral range, which it keeps handing out, so a port chosen that
+    way and bound a minute later (a stack's reloader, after vLLM's minute of start-up) could be taken meanwhile; a clean
+    clone's CI run failed so (tests/loop/test_kill9.py: "address already in use" on the reloader's port). Outside that
+    range only another deliberate listener can take it, and never one this process chose.
+    """
+    lo, hi = FREE_PORT_RANGE
+    start = _rng.randint(lo, hi)
+    for offset in range(hi - lo + 1):
+        port = lo + (start - lo + offset) % (hi - lo + 1)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {lo}-{hi}")
 
 
 class EmbeddedValkey:

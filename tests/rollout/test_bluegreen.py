@@ -99,8 +99,8 @@ def test_switch_waits_for_stable_baseline_then_gives_everyone_the_candidate(redi
     ctl = RolloutController(r, JOB, bluegreen_cfg(), good_eval, clock=clock)
     sim.serve(50)  # ~50 shown on v0's arm: below minSamples, the watch could never look
     assert ctl.tick() == [] and table(r).candidate is None
-    assert ctl.waiting.startswith("v1 waits for stable v0's baseline") and f"of {MIN_SAMPLES} shown" in ctl.waiting
-    assert f"rollout controller: {ctl.waiting} (since " in render(collect(r, JOB))  # not only in the log
+    assert ctl.doing.startswith("v1 waits for stable v0's baseline") and f"of {MIN_SAMPLES} shown" in ctl.doing
+    assert f"rollout controller: {ctl.doing} (since " in render(collect(r, JOB))  # not only in the log
     sim.serve(100)
     [rec] = ctl.tick()
     assert rec.decision == "gate_pass" and rec.figures["canary_share"] == 1.0

@@ -7,7 +7,15 @@ import random
 import pytest
 
 from onlinerl.rollout.records import ArmStats
-from onlinerl_rollout.decision import DecisionRules, Guardrails, decide, decide_canary, look_index, look_threshold
+from onlinerl_rollout.decision import (
+    DecisionRules,
+    Guardrails,
+    accepted_length_ratio,
+    decide,
+    decide_canary,
+    look_index,
+    look_threshold,
+)
 from onlinerl_rollout.posterior import EXACT_TERMS, BetaPosterior, _normal_prob_greater, prob_greater
 
 # the guardrail mechanism, tested at a mean-shown-length floor of 0.5 (the default, 0.25, is a collapse backstop)
@@ -206,3 +214,12 @@ def test_character_guardrails_wait_for_character_counts() -> None:
     """Counters without characters (an older feedback service) skip the character guardrails instead of failing."""
     v = decide(arm(1000, 0.36), arm(1000, 0.30), 1e6, -1, RULES)
     assert v.action == "promote" and v.breaches == ()
+
+
+def test_accepted_length_ratio_is_one_definition_for_counts_and_rates() -> None:
+    """The live guardrail (counts) and the eval gate (per 100 requests) ask the same question of the lengths."""
+    # stable accepts 40-char suggestions, the candidate 20-char ones: the candidate's yield must be 2x to match
+    assert accepted_length_ratio(10, 200.0, 5, 200.0) == pytest.approx(2.0)
+    assert accepted_length_ratio(12.5, 250.0, 6.25, 250.0) == pytest.approx(2.0)  # the same as rates per 100
+    assert accepted_length_ratio(0, 0.0, 5, 200.0) is None  # nothing accepted: no length to compare
+    assert accepted_length_ratio(3, 60.0, 0, 0.0) is None

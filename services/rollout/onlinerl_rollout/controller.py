@@ -115,7 +115,6 @@ class RolloutController:
         self.last_tick_ok: float | None = None  # monotonic time of the last tick that reached Redis
         self.evaluating: int | None = None  # the version under eval (an eval can take minutes: still healthy)
         self.preview: Preview | None = None  # full weights: the preview the last gate started (ended by its verdict)
-        self.waiting: str = ""  # why no gate runs although a version is waiting (bluegreen: stable's baseline)
         self.doing: str = ""  # this tick's activity for `onlinerl status` (store.say), "" when idle
         self._said: str | None = None  # the activity last written: written again only on change
 
@@ -223,12 +222,11 @@ class RolloutController:
         shown: with fewer the watch could never take a look (a freshly promoted stable starts from zero)."""
         shown = self.store.arm_stats(stable, STABLE).shown
         if shown >= self.rules.min_samples:
-            self.waiting = ""
             return True
         why = f"v{version} waits for stable v{stable}'s baseline: {shown} of {self.rules.min_samples} shown"
-        if why.split(":")[0] != self.waiting.split(":")[0]:
+        if why.split(":")[0] != (self._said or "").split(":")[0]:  # logged once per wait, not per tick
             log.info("%s", why)
-        self.waiting = self.doing = why
+        self.doing = why
         return False
 
     def _run_gate(self, version: int, stable: int, needs_preview: bool = False) -> GateResult | str | None:

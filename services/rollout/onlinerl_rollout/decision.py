@@ -95,6 +95,20 @@ def prob_below(cand_successes: int, cand_trials: int, ratio: float, stable_succe
     return 0.5 * math.erfc((c.mean - ratio * s.mean) / (sd * math.sqrt(2.0)))
 
 
+def accepted_length_ratio(
+    cand_accepted: float, cand_chars: float, stable_accepted: float, stable_chars: float
+) -> float | None:
+    """Stable's mean accepted length over the candidate's, or None when either accepted nothing.
+
+    Accepted characters per request = yield x mean accepted length, and the noise is in the yield (a Bernoulli
+    rate; the lengths are averages of many suggestions), so "accepted characters below floor x stable's" is tested
+    as "yield below floor x this ratio x stable's yield". One definition for the live guardrail and the eval gate;
+    counts or per-request rates alike (each side's scale cancels)."""
+    if cand_accepted <= 0 or stable_accepted <= 0 or cand_chars <= 0:
+        return None
+    return (stable_chars / stable_accepted) / (cand_chars / cand_accepted)
+
+
 def guardrail_breaches(candidate: ArmStats, stable: ArmStats, g: Guardrails) -> list[Breach]:
     """Every guardrail whose point figure is past its floor. Character guardrails are skipped while stable has no
     character counts (a feedback service that does not count them yet).
@@ -114,11 +128,10 @@ def guardrail_breaches(candidate: ArmStats, stable: ArmStats, g: Guardrails) -> 
             )
         )
     if s.accepted_chars > 0 and c.accepted_chars_per_100 < g.min_accepted_chars_ratio * s.accepted_chars_per_100:
-        len_c = c.accepted_chars / c.accepted if c.accepted else 0.0
-        len_s = s.accepted_chars / s.accepted
+        lengths = accepted_length_ratio(c.accepted, c.accepted_chars, s.accepted, s.accepted_chars)
         p = (
-            prob_below(c.accepted, c.requests, g.min_accepted_chars_ratio * len_s / len_c, s.accepted, s.requests)
-            if len_c > 0
+            prob_below(c.accepted, c.requests, g.min_accepted_chars_ratio * lengths, s.accepted, s.requests)
+            if lengths is not None
             else prob_below(c.accepted, c.requests, 1.0, s.accepted, s.requests)
         )
         out.append(

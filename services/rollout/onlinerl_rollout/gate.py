@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from onlinerl.config import GateConfig
-from onlinerl_rollout.decision import prob_below
+from onlinerl_rollout.decision import accepted_length_ratio, prob_below
 
 NGRAM = 4
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -188,7 +188,7 @@ def evaluate_gate(inp: GateInput, th: GateThresholds) -> GateResult:
             f"{stab.suggestion_rate:.3f}{credible.said()}"
         )
     if cand.accepted_chars_per_100 < th.min_accepted_chars_ratio * stab.accepted_chars_per_100 and credible.below(
-        "accepted", "requests", th.min_accepted_chars_ratio * _accepted_length_ratio(cand, stab)
+        "accepted", "requests", th.min_accepted_chars_ratio * _lengths(cand, stab)
     ):
         reasons.append(
             f"guardrail: accepted chars per 100 requests {cand.accepted_chars_per_100:.1f} < "
@@ -238,12 +238,10 @@ class _Credible:
         return f" (P = {self.last:.3f} >= {self.confidence})"
 
 
-def _accepted_length_ratio(cand: EvalFigures, stab: EvalFigures) -> float:
-    """Stable's mean accepted length over the candidate's: accepted characters per request = yield x mean accepted
-    length, and the noise is in the yield (the live guardrail's reading, ``decision.guardrail_breaches``). 1 when
-    either accepted nothing (then the yields alone are compared)."""
-    if not cand.accepted or not stab.accepted:
-        return 1.0
-    len_c = cand.accepted_chars_per_100 / cand.accepted_per_100
-    len_s = stab.accepted_chars_per_100 / stab.accepted_per_100
-    return len_s / len_c if len_c > 0 else 1.0
+def _lengths(cand: EvalFigures, stab: EvalFigures) -> float:
+    """``decision.accepted_length_ratio`` of the eval figures (per 100 requests on each side: the scale cancels); 1
+    when either accepted nothing, so the yields alone are compared against the floor."""
+    ratio = accepted_length_ratio(
+        cand.accepted_per_100, cand.accepted_chars_per_100, stab.accepted_per_100, stab.accepted_chars_per_100
+    )
+    return 1.0 if ratio is None else ratio

@@ -27,7 +27,7 @@ run: setup
 	$(BIN)/onlinerl up
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not slow"

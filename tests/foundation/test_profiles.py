@@ -98,7 +98,7 @@ def test_the_local_stack_still_lifts_the_per_key_hourly_limit_after_the_profile(
     def local(cfg):
         return effective_config(with_local_profile(cfg, has_gpu=False), StackPaths(tmp_path), "redis://x:1/0", tmp_path)
 
-    for cfg in (from_mapping({}), from_mapping({"job": "demo", "serving": {"explorationTemperature": 0.7}})):
+    for cfg in (from_mapping({}), from_mapping({"job": "demo"})):  # the defaults, and configs/demo.yaml
         assert local(cfg).feedback.limits.max_samples_per_user_per_hour == 0
         assert local(cfg).trainer.lora.last_layers == 8
     local = local(from_mapping({"feedback": {"limits": {"maxSamplesPerUserPerHour": 50}}}))

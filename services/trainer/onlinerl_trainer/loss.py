@@ -37,7 +37,7 @@ Behaviour distribution and temperature (per sequence i; z = the model's logits a
     update: at T = 0.01 the greedy token has mu ~ 1 but softmax(z)(a) is, say, 0.3, a spurious ratio the clip eats.
     Gradient: d log softmax(z / T)(a) / dz = (onehot(a) - pi_T) / T. At a low T a sampled greedy token has pi_T ~ 1
     and carries almost no gradient (the policy is already sure of it); the exploration floor (T >=
-    explorationTemperature, e.g. 0.7) keeps pi_T spread, so rated alternatives move the logits, scaled by 1 / T.
+    explorationTemperature, default 0.7) keeps pi_T spread, so rated alternatives move the logits, scaled by 1 / T.
     The update changes z, hence the policy at every temperature; the objective is the reward of what users were
     served at their T_i. Below 1e-5 vLLM samples greedily (mu a point mass) and still reports T = 1 log-probs: no
     T matches that, so such rollouts (recorded as temperature 0) are audited by the feedback service, never trained.

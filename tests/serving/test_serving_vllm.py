@@ -670,6 +670,11 @@ def test_gate_evaluator_evaluates_both_versions_through_the_gateway(stack: Stack
     assert int(stack.redis.hget(stack.keys.stats(0, "eval"), "served") or 0) == stable_before
     assert int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served")) == before + 6
     assert again.stable == gate_input.stable and len(again.candidate) == 3
+    # once promoted, the candidate's own gate records serve as stable's: the next gate asks only its candidate
+    as_stable = evaluate(EvalRequest(JOB, 0, candidate, 3))
+    assert int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served")) == before + 6
+    assert int(stack.redis.hget(stack.keys.stats(0, "eval"), "served")) == stable_before + 3
+    assert as_stable.stable == again.candidate and as_stable.candidate == gate_input.stable
 
 
 def test_only_eval_keys_may_pin_a_version(stack: Stack) -> None:

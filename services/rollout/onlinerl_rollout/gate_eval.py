@@ -4,7 +4,8 @@ Plugged into the rollout controller with ``--evaluator onlinerl_rollout.gate_eva
 (``$ONLINERL_CONFIG``), the held-out split (``$ONLINERL_EVAL_DATA``), the gateway (``$ONLINERL_GATEWAY_URL``,
 default the local one) and uses the first eval (or admin) key of the keys file.
 
-Stable first, while it serves users (once per stable version: its records are reused for the next candidate); then
+Stable first, while it serves users (once per version: a promoted candidate's own gate records serve as stable's, and
+a stable's records serve every candidate gated against it); then
 ``req.enter_candidate()`` (full weights: the candidate's preview, user
 requests wait at the gateway) and the candidate, with more concurrency since vLLM serves nothing else meanwhile.
 """
@@ -28,11 +29,14 @@ from onlinerl_rollout.gate import GateInput
 DEFAULT_EVAL_DATA = ".onlinerl/data/test.jsonl"
 PREVIEW_CONCURRENCY = 4  # the candidate's run: in full-weight mode users are held, so vLLM's batch is the eval's
 
-# Stable's gate records, per (job, gateway, version, eval data, sample ids), from a run with no failed request. The
-# gate's requests use Continue's near-greedy temperature, so a version answers the same samples the same way: a stable
-# that gates several candidates is evaluated once. On 2 CPU cores next to user traffic the gate's 2 x 64 requests
-# took ~10 minutes; stable's half was the same every time. Only the current stable's entry is kept.
-_stable_runs: dict[tuple[str, str, int, str, tuple[str, ...]], list[dict]] = {}
+# Gate records per (job, gateway, version, eval data, sample ids), from a run with no failed request. The gate's
+# requests use Continue's near-greedy temperature, so a version answers the same samples the same way whether it is
+# gated as the candidate or compared as stable: a stable is evaluated at most once, and not at all when it was
+# promoted from a candidate this process gated. On 2 CPU cores next to user traffic each half of a gate took ~5
+# minutes (run 12: every gate after a promotion re-asked the new stable what its own gate had just asked it). Only
+# the entries of the current stable and candidate are kept. A candidate gated again (after an error) is asked
+# again: full weights must preview it.
+_runs: dict[tuple[str, str, int, str, tuple[str, ...]], list[dict]] = {}
 
 
 def evaluate(req: EvalRequest) -> GateInput:
@@ -49,11 +53,12 @@ def evaluate(req: EvalRequest) -> GateInput:
             api_base, "", key, tenant, cfg.model.served_name, template, max_tokens=48, unique_id=f"gate-{uid}"
         )
 
-    stable_key = (req.job, gateway, req.stable, data, tuple(s.id for s in samples))
+    ids = tuple(s.id for s in samples)
     records = []
     for version in (req.stable, req.candidate):
-        if version == req.stable and stable_key in _stable_runs:
-            records += _stable_runs[stable_key]
+        run_key = (req.job, gateway, version, data, ids)
+        if version == req.stable and run_key in _runs:
+            records += _runs[run_key]
             continue
         if version == req.candidate:
             req.enter_candidate()
@@ -67,9 +72,10 @@ def evaluate(req: EvalRequest) -> GateInput:
             for r in run.records
             if not r.failed
         ]
-        if version == req.stable and version != req.candidate and len(got) == len(samples):
-            _stable_runs.clear()  # only the current stable's run is worth keeping
-            _stable_runs[stable_key] = got
+        if len(got) == len(samples) and req.stable != req.candidate:
+            _runs[run_key] = got
+        for old in [k for k in _runs if k[2] not in (req.stable, req.candidate)]:
+            del _runs[old]  # only the current stable's and candidate's runs can be asked for again
         records += got
     return GateInput.from_records(req.candidate, req.stable, records)
 

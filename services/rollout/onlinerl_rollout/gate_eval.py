@@ -54,6 +54,7 @@ def evaluate(req: EvalRequest) -> GateInput:
         )
 
     ids = tuple(s.id for s in samples)
+    by_id = {s.id: s for s in samples}
     records = []
     for version in (req.stable, req.candidate):
         run_key = (req.job, gateway, version, data, ids)
@@ -66,7 +67,6 @@ def evaluate(req: EvalRequest) -> GateInput:
         run = asyncio.run(run_version(samples, factory, version, concurrency=concurrency))
         if run.records and all(r.failed for r in run.records):
             raise RuntimeError(_nothing_served(version, len(run.records), cfg.serving.weights_mode))
-        by_id = {s.id: s for s in samples}
         got = [
             {"version": version, "shown_text": r.shown, "accepted": decide(r.shown, by_id[r.sample_id].middle)}
             for r in run.records
@@ -74,9 +74,9 @@ def evaluate(req: EvalRequest) -> GateInput:
         ]
         if len(got) == len(samples) and req.stable != req.candidate:
             _runs[run_key] = got
-        for old in [k for k in _runs if k[2] not in (req.stable, req.candidate)]:
-            del _runs[old]  # only the current stable's and candidate's runs can be asked for again
         records += got
+    for old in [k for k in _runs if k[2] not in (req.stable, req.candidate)]:
+        del _runs[old]  # only the current stable's and candidate's runs can be asked for again
     return GateInput.from_records(req.candidate, req.stable, records)
 
 

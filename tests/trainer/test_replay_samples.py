@@ -1,0 +1,38 @@
+"""The offline screen's archive (bench/replay_samples.py): every sample a run appended is recovered from valkey's
+append-only file, in order, with its stream id, even after the trainer acknowledged and deleted it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from bench.replay_samples import extract, resp_commands
+from onlinerl.keys import Keys
+from onlinerl.valkey import EmbeddedValkey
+
+
+def test_acknowledged_samples_come_back_from_the_aof_in_order(valkey: EmbeddedValkey, redis_client: redis.Redis):
+    keys = Keys("screen")
+    ids = []
+    for i in range(3):
+        sample = {"rollout_id": f"r{i}", "reward": 0.75 if i == 1 else -0.25, "accepted": i == 1}
+        ids.append(redis_client.xadd(keys.samples, {"data": json.dumps(sample)}).decode())
+    redis_client.xadd(keys.audit, {"data": json.dumps({"reason": "duplicate"})})  # another stream: not a sample
+    redis_client.xgroup_create(keys.samples, "trainers", id="0")
+    redis_client.xreadgroup("trainers", "t", {keys.samples: ">"})
+    redis_client.xack(keys.samples, "trainers", ids[0], ids[1])
+    redis_client.xdel(keys.samples, ids[0], ids[1])  # what the trainer does after publishing
+    assert redis_client.xlen(keys.samples) == 1
+
+    archived = extract(valkey.data_dir / "appendonlydir")
+
+    assert [sid for sid, _ in archived] == ids
+    assert [json.loads(data)["rollout_id"] for _, data in archived] == ["r0", "r1", "r2"]
+    assert [json.loads(data)["accepted"] for _, data in archived] == [False, True, False]
+
+
+def test_a_file_that_is_not_an_aof_is_refused_with_its_position():
+    with pytest.raises(ValueError, match="not a RESP array at byte 0"):
+        list(resp_commands(b"REDIS0011\xfa"))

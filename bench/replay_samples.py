@@ -92,17 +92,17 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 def cmd_inject(args: argparse.Namespace) -> int:
     """XADD the archive's samples with their original ids to the stack's samples stream (its job's key)."""
+    from onlinerl.dataplane import samples
+
     r, keys, cfg = _client(args.state)
     lines = [json.loads(line) for path in args.archive for line in path.read_text().splitlines() if line.strip()]
-    pipe = r.pipeline(transaction=False)
     for row in lines:
         sample = row["data"]
         sample["tenant"] = sample.get("tenant") or cfg.job
         if args.rewards:  # another reward table on the same outcomes (the archive's runs had no silence samples)
             accepted, rejected = (float(x) for x in args.rewards.split(","))
             sample["reward"] = accepted if sample["accepted"] else rejected
-        pipe.xadd(keys.samples, {"data": json.dumps(sample)}, id=row["id"])
-    pipe.execute()
+        samples.add(r, keys, json.dumps(sample), entry_id=row["id"])
     print(f"injected {len(lines)} samples into {keys.samples}")
     return 0
 
@@ -110,13 +110,14 @@ def cmd_inject(args: argparse.Namespace) -> int:
 def cmd_wait(args: argparse.Namespace) -> int:
     """Wait until the trainer acknowledged every entry (the stream is empty: acked entries are deleted), then print
     the newest published version."""
+    from onlinerl.dataplane import samples
     from onlinerl.dataplane import trainer as trainer_status
 
     r, keys, _ = _client(args.state)
     deadline = time.monotonic() + args.timeout
     last = -1
     while True:
-        left = int(r.xlen(keys.samples))
+        left = samples.length(r, keys)
         if left != last:
             st = trainer_status.read_status(r, keys)
             print(f"[replay] {left} samples left, trainer {st.get('version', '?')}", file=sys.stderr, flush=True)

@@ -203,9 +203,10 @@ async def backlog(client: Any, keys: Keys) -> tuple[int, int]:
     return n, n
 
 
-def add(client: redis.Redis, keys: Keys, entry: bytes | str) -> str:
-    """XADD one sample as feedback would (benchmarks and tools that feed a trainer without the feedback service)."""
-    return text(client.xadd(keys.samples, {DATA: entry}))
+def add(client: redis.Redis, keys: Keys, entry: bytes | str, entry_id: str = "*") -> str:
+    """XADD one sample as feedback would (benchmarks and tools that feed a trainer without the feedback service);
+    ``entry_id`` replays a recorded entry under its original id (bench/replay_samples.py)."""
+    return text(client.xadd(keys.samples, {DATA: entry}, id=entry_id))
 
 
 def read_all(client: redis.Redis, keys: Keys, count: int | None = None, start: str = "-") -> list[tuple[str, Any]]:

@@ -135,13 +135,13 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 UPDATE_LINE = re.compile(
     r"update: (\d+) samples, negative-advantage share ([\d.]+), entropy ([\d.]+), approx KL [^,]+, "
-    r"KL to base ([\d.e+-]+|nan), clip fraction ([\d.]+)"
+    r"KL to base ([\d.e+-]+|nan|off) ?[^,]*, clip fraction ([\d.]+)"
 )
 
 
 def update_summary(log_text: str) -> dict[str, float]:
     """The trainer's per-update log lines, summed up: steps, samples, share with A < 0, entropy range, last KL."""
-    rows = [[float(x) for x in m.groups()] for m in UPDATE_LINE.finditer(log_text)]
+    rows = [[float("nan" if x == "off" else x) for x in m.groups()] for m in UPDATE_LINE.finditer(log_text)]
     if not rows:
         return {"steps": 0}
     samples = sum(r[0] for r in rows)

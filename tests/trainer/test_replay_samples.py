@@ -8,7 +8,7 @@ import json
 import pytest
 import redis
 
-from bench.replay_samples import extract, resp_commands
+from bench.replay_samples import extract, resp_commands, update_summary
 from onlinerl.keys import Keys
 from onlinerl.valkey import EmbeddedValkey
 
@@ -36,3 +36,19 @@ def test_acknowledged_samples_come_back_from_the_aof_in_order(valkey: EmbeddedVa
 def test_a_file_that_is_not_an_aof_is_refused_with_its_position():
     with pytest.raises(ValueError, match="not a RESP array at byte 0"):
         list(resp_commands(b"REDIS0011\xfa"))
+
+
+def test_update_summary_reads_the_trainers_log_with_and_without_the_kl():
+    """The screen's summary of the trainer's "update:" lines, both as the KL penalty on and off prints them."""
+    log = (
+        "x INFO onlinerl.trainer: update: 10 samples, negative-advantage share 0.80, entropy 0.900, approx KL 1.00e-03,"
+        " KL to base 2.00e-03, clip fraction 0.100\n"
+        "x INFO onlinerl.trainer: update: 2 samples, negative-advantage share 0.00, entropy 0.400, approx KL 4.00e-02,"
+        " KL to base off (klCoef 0), clip fraction 0.200\n"
+    )
+    summary = update_summary(log)
+    assert summary["steps"] == 2 and summary["samples"] == 12
+    assert summary["negative_advantage_share"] == pytest.approx(8 / 12)
+    assert (summary["entropy_min"], summary["entropy_max"], summary["clip_fraction_max"]) == (0.4, 0.9, 0.2)
+    assert summary["kl_to_base_last"] != summary["kl_to_base_last"]  # off: NaN
+    assert update_summary("nothing trained") == {"steps": 0}

@@ -106,13 +106,13 @@ class Learner:
             result.stats.update(health_stats(result.stats, advantages, self.algo.entropy_min, self.algo.entropy_max))
             st = result.stats
             log.info(
-                "update: %d samples, negative-advantage share %.2f, entropy %.3f, approx KL %.2e, KL to base %.2e, "
+                "update: %d samples, negative-advantage share %.2f, entropy %.3f, approx KL %.2e, KL to base %s, "
                 "clip fraction %.3f",
                 len(advantages),
                 st["negative_advantage_share"],
                 st.get("entropy", float("nan")),
                 st.get("approx_kl", float("nan")),
-                st.get("kl", float("nan")),
+                f"{st['kl']:.2e}" if "kl" in st else "off (klCoef 0)",
                 st.get("clip_fraction", float("nan")),
             )
         return result

@@ -273,10 +273,12 @@ class StalenessConfig(_Section):
 class AlgorithmConfig(_Section):
     """Critic-free clipped PPO (see services/trainer/onlinerl_trainer/loss.py for the math).
 
-    The defaults let a reject carry gradient without flattening the policy (docs/demo.md, "Choosing the default
-    algorithm"): Cursor's reward with a running baseline pushes rejected completions down, and four tools bound how
-    far: a KL penalty to the base (klCoef), a tighter lower clip for negative advantages (clipEpsNegative), the dual
-    clip, and seq-mean aggregation (a long rejected completion weighs as much as a short accepted one, not more).
+    The defaults let a reject carry gradient without flattening the policy or drowning the accepts (docs/demo.md,
+    "Choosing the default algorithm" and "Offline screen"): Cursor's reward with a running baseline pushes rejected
+    completions down, and four tools bound how far: the rejects' share of the gradient (negativeWeight 0.15), a
+    tighter lower clip for negative advantages (clipEpsNegative), the dual clip, and seq-mean aggregation (a long
+    rejected completion weighs as much as a short accepted one, not more). The KL penalty to the base (klCoef) is
+    available and off: at 0.1 it held the policy at the base.
     """
 
     clip_eps: float = Field(0.2, gt=0, lt=1)
@@ -301,11 +303,11 @@ class AlgorithmConfig(_Section):
         2.0, gt=0, description="Cap on the behaviour-mismatch importance weight under recompute."
     )
     kl_coef: float = Field(
-        0.1,
+        0.0,
         ge=0,
-        description="Weight of the per-token KL(pi_theta || pi_base) penalty. With LoRA the base is the adapter "
-        "switched off (no second model); full weights load a frozen, unsharded copy on every rank (set 0 when "
-        "memory is short).",
+        description="Weight of the per-token KL(pi_theta || pi_base) penalty, off by default: at 0.1 it held the "
+        "policy at the base while the accepts' push was small (docs/demo.md, offline screen). With LoRA the base is "
+        "the adapter switched off (no second model); full weights load a frozen, unsharded copy on every rank.",
     )
     kl_estimator: Literal["k1", "k3"] = Field(
         "k3", description="KL estimator on the sampled tokens: k3 (unbiased, never negative) or k1 (log ratio)."
@@ -332,13 +334,13 @@ class AlgorithmConfig(_Section):
         "(onlinerl_trainer_subsampled_samples).",
     )
     negative_weight: float = Field(
-        1.0,
+        0.15,
         gt=0,
         le=1,
         description="Share of the rejects' expected gradient kept: a trained negative-advantage sample carries "
-        "negativeWeight / negativeSampleRate of its advantage. 1 is the unbiased policy gradient; with "
-        "negativeWeight = negativeSampleRate each trained reject carries its own advantage, not 1/rate of it: less "
-        "variance, at the price of 1 - weight of the rejects' push (docs/demo.md, run 11: no better in one run).",
+        "negativeWeight / negativeSampleRate of its advantage. On shown suggestions this is a smaller constant "
+        "baseline (weight x the running one), so the expected gradient keeps its direction; 0.15 lets the few "
+        "accepts lead each update (docs/demo.md, offline screen: weight 1 moved nothing held-out, 0.15 learned).",
     )
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 

@@ -20,8 +20,9 @@ Why each ``cpu`` value (docs/demo.md, "Configuration of the demonstration"; meas
   run: 464 of ~2,000 samples trained, a backlog of ~570 growing all run, so it trained on ever older samples and
   saw a quarter of the accepts). A reject is trained with probability 0.15 at 1/0.15 of its advantage: the same
   expected gradient (advantages.subsample_negatives), a pass for about a sixth of the events, every accept trained.
-  ``negativeWeight`` stays 1 (unbiased): run 11 trained each kept reject at its own advantage instead (weight =
-  rate, less variance) and measured no better (held-out +8%, CI over 0; runs 8 and 10 at weight 1: +20%, +0%).
+  Each kept reject then carries its own advantage: the product's ``negativeWeight`` is 0.15 (not the profile's
+  business; loss.py says why), so weight / rate = 1. At weight 1 a kept reject carried 6.7x its advantage and the
+  rejects' noise drowned the accepts (docs/demo.md, offline screen).
 * ``rollout.canaryShare: 0.5``, ``rollout.maxLooks: 1``: at ~30 requests a minute and a new version every few
   minutes, a 25% canary needs ~7 minutes to reach its first look (50 shown) and a within-noise candidate held the
   canary for the whole hour (max looks 5: 1,600 shown per arm), so the newer, better-trained versions never got

@@ -40,7 +40,8 @@ def test_cpu_profile_fills_every_unset_field_and_never_an_explicit_one() -> None
     assert "preset" not in out.feedback.reward.model_fields_set
     # the product's algorithm and reward are not the profile's business
     default = from_mapping({})
-    assert out.trainer.algorithm.kl_coef == 0.1 and out.feedback.reward.preset == default.feedback.reward.preset
+    assert out.trainer.algorithm.kl_coef == default.trainer.algorithm.kl_coef
+    assert out.feedback.reward.preset == default.feedback.reward.preset
 
     mine = from_mapping(
         {"trainer": {"lora": {"lastLayers": 0}, "algorithm": {"ppoEpochs": 2}}, "model": {"maxModelLen": 2048}}
@@ -52,8 +53,9 @@ def test_cpu_profile_fills_every_unset_field_and_never_an_explicit_one() -> None
     assert out.model.max_model_len == 2048 and out.trainer.max_seq_len == 2048
     # a sibling of an explicit field still gets the profile
     assert out.trainer.algorithm.learning_rate == 2e-4
-    # rejects are subsampled with the unbiased weight (run 11 measured weight = rate no better)
-    assert (out.trainer.algorithm.negative_sample_rate, out.trainer.algorithm.negative_weight) == (0.15, 1.0)
+    # rejects are subsampled; the product's weight (0.15, not the profile's business) makes a kept one carry its own A
+    assert (out.trainer.algorithm.negative_sample_rate, out.trainer.algorithm.negative_weight) == (0.15, 0.15)
+    assert "negative_weight" not in out.trainer.algorithm.model_fields_set
 
 
 def test_gpu_detection_reads_device_nodes_and_respects_an_empty_device_list(tmp_path, monkeypatch) -> None:

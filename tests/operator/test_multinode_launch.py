@@ -21,14 +21,13 @@ from onlinerl.procs import Child, wait_for
 from onlinerl.valkey import free_port
 from onlinerl_operator.render import RenderContext
 from onlinerl_operator.render_trainer import NODE_RANK_ENV, torchrun_command, world_size
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
 from onlinerl_trainer.batching import collate
 from onlinerl_trainer.engine_torch import TorchEngine
 from onlinerl_trainer.learner import pad_id
 from onlinerl_trainer.policy import load_policy
 from onlinerl_trainer.stream import DEFAULT_CONSUMER
 from onlinerl_trainer.update import ppo_update
-from tests.trainer.conftest import JOB, trainer_config, xadd_samples
+from tests.trainer.conftest import JOB, as_the_feed_trains, trainer_config, xadd_samples
 from tests.trainer.test_deepspeed import batch_of
 
 KEYS = Keys(JOB)
@@ -71,14 +70,8 @@ def test_two_nodes_with_the_rendered_launch_publish_what_one_process_would(
     # One process, the whole batch, plain torch: the reference.
     single = TorchEngine(load_policy(tiny_model_path, cfg.trainer), cfg.trainer)
     alg = cfg.trainer.algorithm
-    adv = compute_advantages(
-        [r.sample.reward for r in rows],
-        [r.sample.tenant for r in rows],
-        baseline=alg.baseline,
-        running=RunningBaseline(alg.baseline_momentum),
-        normalize=alg.normalize_advantages,
-    )
-    batch = collate(rows, cfg.trainer.max_seq_len, pad_id(tiny_model_path))
+    trained, adv = as_the_feed_trains(rows, alg)
+    batch = collate(trained, cfg.trainer.max_seq_len, pad_id(tiny_model_path))
     assert ppo_update(single, batch, torch.tensor(adv), alg, cfg.trainer.micro_batch_size).skipped_reason is None
     expected = {k.replace(".default", ""): v for k, v in single.trainable_state_dict().items()}
 

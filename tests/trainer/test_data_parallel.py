@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from onlinerl.keys import SAMPLES_GROUP, Keys
 from onlinerl.procs import Child, wait_for
 from onlinerl.valkey import free_port
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages
 from onlinerl_trainer.batching import collate
 from onlinerl_trainer.engine_torch import TorchEngine
 from onlinerl_trainer.learner import pad_id as _pad_id
@@ -26,7 +25,7 @@ from onlinerl_trainer.ranks import Ranks, ranks_from_env, shard_slices
 from onlinerl_trainer.stream import DEFAULT_CONSUMER
 from onlinerl_trainer.update import ppo_update
 
-from .conftest import JOB, trainer_config, xadd_samples
+from .conftest import JOB, as_the_feed_trains, trainer_config, xadd_samples
 from .test_deepspeed import batch_of
 
 KEYS = Keys(JOB)
@@ -62,14 +61,8 @@ def test_two_ranks_publish_what_one_process_would(tmp_path, redis_client, valkey
 
     # One process, the whole batch, plain torch: the reference the two ranks must reproduce.
     single = TorchEngine(load_policy(tiny_model_path, cfg.trainer), cfg.trainer)
-    batch = collate(rows, cfg.trainer.max_seq_len, _pad_id(tiny_model_path))
-    adv = compute_advantages(
-        [r.sample.reward for r in rows],
-        [r.sample.tenant for r in rows],
-        baseline=cfg.trainer.algorithm.baseline,
-        running=RunningBaseline(cfg.trainer.algorithm.baseline_momentum),
-        normalize=cfg.trainer.algorithm.normalize_advantages,
-    )
+    trained, adv = as_the_feed_trains(rows, cfg.trainer.algorithm)
+    batch = collate(trained, cfg.trainer.max_seq_len, _pad_id(tiny_model_path))
     result = ppo_update(single, batch, torch.tensor(adv), cfg.trainer.algorithm, cfg.trainer.micro_batch_size)
     assert result.skipped_reason is None
     expected = {k.replace(".default", ""): v for k, v in single.trainable_state_dict().items()}

@@ -62,7 +62,9 @@ def test_reward_moves_the_policy_and_versions_are_published(tmp_path, redis_clie
         valkey.url,
         tiny_model_path,
         checkpoint={"everySteps": 10},
-        algorithm={"learningRate": 1e-2, "baseline": "batch"},
+        # The mechanics of learning on a symmetric signal (batch baseline: +0.5 / -0.5): both endings at full
+        # weight. How far the product's defaults let a reject push is test_reject_gradient's business.
+        algorithm={"learningRate": 1e-2, "baseline": "batch", "negativeWeight": 1.0},
     )
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()

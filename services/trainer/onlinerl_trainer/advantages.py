@@ -115,8 +115,8 @@ def subsample_negatives(
     policy gradient; its cost is variance: at rate 0.15 each kept reject carries 6.7x its advantage, and a batch's
     one or two accepts share it with a few rejects whose noise (credit on every token of a sequence, the correct
     first line included) is 2.6x larger than without subsampling. ``weight = rate`` trains each kept reject at its
-    own advantage (docs/demo.md, run 11: no better in an hour than weight 1, the default). Positive and zero
-    advantages are always kept, unscaled.
+    own advantage: the default weight 0.15 equals the cpu profile's rate (docs/demo.md, "Offline screen": weight 1
+    moved nothing held-out, 0.15 learned). Positive and zero advantages are always kept, unscaled.
     """
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"negative sample rate must be in (0, 1], got {rate}")
@@ -132,3 +132,9 @@ def subsample_negatives(
             keep.append(i)
             weighted.append(a * weight / rate)
     return keep, weighted
+
+
+def is_inert(advantage: float, kl_coef: float, entropy_coef: float) -> bool:
+    """A sample whose loss has no gradient: advantage 0 and no KL or entropy term acting on it. The trainer
+    acknowledges it without a forward pass (on CPU most of its time)."""
+    return advantage == 0.0 and kl_coef == 0.0 and entropy_coef == 0.0

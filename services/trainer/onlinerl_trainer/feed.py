@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from onlinerl.config import TrainerConfig
 from onlinerl.dataplane import audit
 from onlinerl.schemas import AuditEntry, TrainingSample
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages, subsample_negatives
+from onlinerl_trainer.advantages import RunningBaseline, compute_advantages, is_inert, subsample_negatives
 from onlinerl_trainer.batching import StreamSample, staleness, staleness_action
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.stream import Entry, SampleStream
@@ -227,12 +227,11 @@ class SampleFeed:
         """Drop samples whose gradient is exactly zero: advantage 0 with no KL or entropy term (with the ``rlinf``
         reward and no baseline, every reject). They are acknowledged without a forward pass, which on CPU is most of
         the trainer's time; the gradient is unchanged up to the token-mean scale, which Adam absorbs."""
-        if self.algo.kl_coef > 0 or self.algo.entropy_coef > 0:
+        dead = [is_inert(a, self.algo.kl_coef, self.algo.entropy_coef) for a in adv]
+        if not any(dead):
             return samples, adv, []
-        keep = [i for i, a in enumerate(adv) if a != 0.0]
-        if len(keep) == len(samples):
-            return samples, adv, []
-        inert = [s.sample_id for s, a in zip(samples, adv, strict=True) if a == 0.0]
+        keep = [i for i, d in enumerate(dead) if not d]
+        inert = [s.sample_id for s, d in zip(samples, dead, strict=True) if d]
         self.metrics.inert.inc(len(inert))
         return [samples[i] for i in keep], [adv[i] for i in keep], inert
 

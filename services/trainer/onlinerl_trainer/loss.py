@@ -42,36 +42,39 @@ Behaviour distribution and temperature (per sequence i; z = the model's logits a
     served at their T_i. Below 1e-5 vLLM samples greedily (mu a point mass) and still reports T = 1 log-probs: no
     T matches that, so such rollouts (recorded as temperature 0) are audited by the feedback service, never trained.
 
-The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choosing the default algorithm"):
+The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choosing the default algorithm" and
+"Offline screen"):
     With Cursor's reward (+0.75 / -0.25 / 0) about 92% of samples are rejects with A < 0. Pushing a sampled
     (usually modal) token down hands its mass to every other token, so unbounded it flattens the policy: run 4,
-    entropy 1.05 -> 2.33 in 24 steps, accept rate to 0. Four bounds, each cheap, keep the reject's gradient:
-    - kl_coef 0.1, k3 on the sampled tokens, pi_ref = the LoRA adapter switched off (the base, not the previous
-      version): one no-grad forward per batch, [B, T] floats kept across epochs. d k3 / d logp = 1 - pi_ref / pi_theta
-      pulls a pushed-down token back up. An exact KL over the vocabulary would also see mass moving to junk tokens,
-      but needs the base's [B, T, V] distribution across epochs (50 MB here, ~20 GB for 64 x 512 tokens x 150k);
+    entropy 1.05 -> 2.33 in 24 steps, accept rate to 0. What the rejects add, on shown suggestions: Cursor's
+    +0.75 / -0.25 is the 1/0 reward minus 0.25, and the running baseline is the running mean of it, so
+    A = 1{accepted} - p_hat (p_hat: the tenant's running accept rate, ~0.05). For any constant baseline
+    E[(R - b) grad log pi] = E[1{accepted} grad log pi]: the rejects' expected push is the zero-mean score term
+    -p_hat E[grad log pi], all variance, while the few accepts carry the direction. Only silence samples (reward 0,
+    between the two) make Cursor's table another objective. Four bounds, each cheap, keep the reject's gradient
+    without letting it drown the accepts:
+    - negative weight 0.15 (advantages.subsample_negatives, before this loss): a reject carries 0.15 of its
+      advantage in expectation, A_reject = -0.15 p_hat. That is 1{accepted} scaled by c = 1 - 0.85 p_hat minus a
+      constant baseline 0.15 p_hat: the same expected direction, less variance. Where trainer passes are scarce (the
+      cpu profile) a reject is trained with probability rate = 0.15 and A scaled by weight / rate, so a kept reject
+      carries its own A (-0.05); weight 1 would multiply it by 1/rate = 6.7. On the same 2,010 recorded samples (the
+      offline screen) weight 1 moved nothing held-out (KL on or off); weight 0.15 without the KL moved the way the
+      accepts alone did, about half as far (shown length -4.3 characters against -8.6; accepts 4 gained / 2 lost);
     - eps_neg 0.1 < eps 0.2: a reject's gradient stops once its token is 10% below mu (0.8 would allow 20%);
     - dual clip c = 3: a stale token whose ratio grew large (r >> 1) cannot make a reject's loss unbounded;
     - seq-mean: a rejected 3-line completion (32 tokens) weighs as much as an accepted 5-token one; with token-mean
       the long rejects dominate the batch gradient and the net push is downward even when sum_i A_i = 0.
-    The size of a reject's update (advantages.subsample_negatives, before this loss): where trainer passes are
-    scarce (CPU) a reject is trained with probability rate and A_i scaled by negativeWeight / rate. Weight 1 keeps
-    the expected gradient but multiplies each kept reject's A by 1/rate (6.7 at 0.15): a batch's one or two accepts
-    then share the update with rejects whose noise (credit spread over every token, a correct first line included)
-    is sqrt(1/rate) = 2.6x larger. Weight = rate trains a kept reject at its own A (the rejects' summed push is rate
-    x the full one): run 11 (docs/demo.md) measured it no better than weight 1 in an hour, so the default stays 1.
-    What the rejects add, on shown suggestions: Cursor's +0.75 / -0.25 is the 1/0 reward minus 0.25, and the running
-    baseline is the running mean of it, so A = 1{accepted} - p_hat (p_hat: the tenant's running accept rate). For any
-    constant baseline E[(R - b) grad log pi] = E[1{accepted} grad log pi]: this default and run 6's 1/0 without a
-    baseline point the same way on average and differ only in variance and in how an update is shared and bounded.
-    Only silence samples (reward 0, between the two) make Cursor's table another objective. The offline screen
-    (docs/demo.md, "Offline screen": the same 2,010 recorded samples under each algorithm) measured this default
-    moving nothing held-out where run 6's algorithm shortened the suggestions and gained accepts; a kept reject at
-    its own advantage did not help, and twice the step taught silence (suggestion rate 0.94 -> 0.80), not accepts.
-    Not used: advantage normalisation (divides ~0.1-scale reject advantages by a batch std of ~0.3: larger steps,
+    The KL penalty is available and off (kl_coef 0): k3 on the sampled tokens, pi_ref = the LoRA adapter switched
+    off (the base, not the previous version), one no-grad forward per batch, [B, T] floats kept across epochs;
+    d k3 / d logp = 1 - pi_ref / pi_theta pulls a moved token back. At 0.1 with the rejects at weight 0.15 it held
+    the policy at the base (screen W: nothing moved; the same without the KL learned). An exact KL over the
+    vocabulary would also see mass moving to junk tokens, but needs the base's [B, T, V] distribution across epochs
+    (50 MB here, ~20 GB for 64 x 512 tokens x 150k). Collapse is watched instead: the entropy of the sampled
+    positions is reported every step and checked against [entropy_min, entropy_max] (learner.health_stats), with the
+    share of A < 0 samples.
+    Not used: advantage normalisation (divides ~0.05-scale reject advantages by a batch std of ~0.3: larger steps,
     the wrong direction for stability); per-context baselines (each context is served once: a group baseline needs
-    n samples per request, n times the CPU serving cost). The entropy of the sampled positions is reported every step
-    and checked against [entropy_min, entropy_max] (learner.health_stats), with the share of A < 0 samples.
+    n samples per request, n times the CPU serving cost).
 
 ``normalizer`` lets a caller split one batch into micro-batches and still get the exact batch loss: pass the token
 count (token-mean) or the sequence count (seq-mean) of the whole batch, and the micro-batch losses add up to it.

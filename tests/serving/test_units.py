@@ -320,6 +320,12 @@ def test_vllm_argv_and_env() -> None:
     env = vllm_env(cfg, cpu=True)
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and int(env["VLLM_MAX_STOP_STRINGS"]) >= 12
     assert "VLLM_SERVER_DEV_MODE" not in env and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # CPU: the worker inside the engine-core process (no busy-waiting executor beside the trainer); a user's
+    # serving.vllmArgs come after it and win
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert joined.index("--distributed-executor-backend uni") < joined.index("--seed 1")
+    assert "--distributed-executor-backend" not in vllm_argv(cfg, "/m", cpu=False)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(cfg, cpu=False)
     full = from_mapping({"serving": {"weightsMode": "full"}})
     assert "--enable-lora" not in vllm_argv(full, "/m", cpu=False)
     assert "--dtype auto" in " ".join(vllm_argv(full, "/m", cpu=False))

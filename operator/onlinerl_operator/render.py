@@ -26,6 +26,7 @@ from onlinerl.config import OnlineRLConfig, ResourcesConfig
 from onlinerl.dataplane import acl
 from onlinerl.dataplane.contract import Component
 from onlinerl.model import SMOLLM2_GGUF_SHA256
+from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, CPU_IN_PROCESS_EXECUTOR_ARGS, CPU_IN_PROCESS_EXECUTOR_ENV
 from onlinerl_operator import constants as c
 
 Manifest = dict[str, Any]
@@ -323,9 +324,10 @@ def vllm_args(ctx: RenderContext) -> list[str]:
         ]
     if cfg.serving.gpus > 1:
         args += ["--tensor-parallel-size", str(cfg.serving.gpus)]
-    # Behaviour log-probs under the sampled distribution (after temperature), last so vllmArgs cannot undo it:
-    # the same flags as onlinerl_serving.engine.BEHAVIOUR_LOGPROBS_ARGS (local stack and tests).
-    return args + list(cfg.serving.vllm_args) + ["--logprobs-mode", "processed_logprobs"]
+    if cfg.serving.gpus == 0:
+        args += CPU_IN_PROCESS_EXECUTOR_ARGS  # no busy-waiting executor core (onlinerl/vllm_flags.py)
+    # Behaviour log-probs under the sampled distribution (after temperature), last so vllmArgs cannot undo it.
+    return args + list(cfg.serving.vllm_args) + list(BEHAVIOUR_LOGPROBS_ARGS)
 
 
 def _engine_health_probe(period: int, failures: int) -> dict[str, Any]:
@@ -347,6 +349,7 @@ def vllm_container(ctx: RenderContext) -> dict[str, Any]:
         env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # pause/reload_weights: loopback only
     if not gpu:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"})
+        env += [{"name": k, "value": v} for k, v in CPU_IN_PROCESS_EXECUTOR_ENV.items()]
     mounts = [
         {"name": "checkpoints", "mountPath": c.CHECKPOINT_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},

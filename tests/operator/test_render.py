@@ -102,6 +102,9 @@ def test_cpu_demo_children() -> None:
     args = vllm["args"]
     assert args[args.index("--host") + 1] == "127.0.0.1" and args[args.index("--port") + 1] == "8001"
     assert "--enable-lora" in args and "nvidia.com/gpu" not in str(vllm["resources"])
+    # vLLM-CPU's worker inside its engine-core process (onlinerl/vllm_flags.py), as the local stack starts it
+    assert args[args.index("--distributed-executor-backend") + 1] == "uni"
+    assert {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"} in vllm["env"]
     assert "ports" not in vllm  # the engine is never exposed
     assert containers["gateway"]["command"] == ["python", "-m", "onlinerl_serving.gateway"]
     assert containers["reloader"]["command"] == ["python", "-m", "onlinerl_serving.reloader"]
@@ -149,6 +152,8 @@ def test_single_gpu_lora_with_external_redis_and_ingress() -> None:
     assert vllm["image"].startswith("vllm/vllm-openai:")
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert "--tensor-parallel-size" not in vllm["args"]
+    assert "--distributed-executor-backend" not in vllm["args"]  # GPUs keep vLLM's own executor choice
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in str(vllm["env"])
     assert vllm["args"][-5:-2] == ["--gpu-memory-utilization", "0.85", "--enable-prefix-caching"]  # spec vllmArgs
     assert vllm["args"][-2:] == ["--logprobs-mode", "processed_logprobs"]  # after them: behaviour log-probs are mu
     gateway_env = {e["name"]: e for e in serving["containers"][1]["env"]}

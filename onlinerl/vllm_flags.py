@@ -1,0 +1,19 @@
+"""vLLM flags that the local stack (onlinerl_serving.engine) and the operator (render.py) must set alike.
+
+Kept here, in the shared library, because the operator does not import serving code.
+"""
+
+from __future__ import annotations
+
+# Log-probs after temperature (and any other processor) instead of vLLM's default raw log_softmax(logits): the rollout
+# record's behaviour log-prob must be log mu(a), mu the distribution the token was sampled from. Appended after
+# serving.vllmArgs so a user flag cannot turn it off (argparse keeps the last value).
+BEHAVIOUR_LOGPROBS_ARGS = ("--logprobs-mode", "processed_logprobs")
+
+# vLLM-CPU: the worker inside the engine-core process. vLLM-CPU otherwise forces its multiprocess executor, whose
+# engine core busy-waits (sched_yield) on a shared-memory queue for up to a second after each step: one of two cores
+# spinning beside a trainer. Measured beside a one-thread trainer load (bench/engine_executor.py, RESULTS.md): the
+# trainer's work 1.63x, requests per minute 1.06x, engine CPU per request 0.67x. The API server stays its own process.
+# Placed before serving.vllmArgs, so a user's flag wins.
+CPU_IN_PROCESS_EXECUTOR_ARGS = ("--distributed-executor-backend", "uni")
+CPU_IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -135,22 +135,26 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 UPDATE_LINE = re.compile(
     r"update: (\d+) samples, negative-advantage share ([\d.]+), entropy ([\d.]+), approx KL [^,]+, "
-    r"KL to base ([\d.e+-]+|nan|off) ?[^,]*, clip fraction ([\d.]+)"
+    r"KL to base ([\d.e+-]+|nan|off) ?[^,]*, clip fraction ([\d.]+)(?:, running entropy ([\d.]+|nan))?"
 )
 
 
 def update_summary(log_text: str) -> dict[str, float]:
-    """The trainer's per-update log lines, summed up: steps, samples, share with A < 0, entropy range, last KL."""
-    rows = [[float("nan" if x == "off" else x) for x in m.groups()] for m in UPDATE_LINE.finditer(log_text)]
+    """The trainer's per-update log lines, summed up: steps, samples, share with A < 0, entropy ranges (per update
+    and running), last KL."""
+    rows = [[float("nan" if x in ("off", None) else x) for x in m.groups()] for m in UPDATE_LINE.finditer(log_text)]
     if not rows:
         return {"steps": 0}
     samples = sum(r[0] for r in rows)
+    running = [r[5] for r in rows if r[5] == r[5]]  # logged since the band became a running one
     return {
         "steps": len(rows),
         "samples": samples,
         "negative_advantage_share": sum(r[0] * r[1] for r in rows) / samples,
         "entropy_min": min(r[2] for r in rows),
         "entropy_max": max(r[2] for r in rows),
+        "running_entropy_min": min(running, default=float("nan")),
+        "running_entropy_max": max(running, default=float("nan")),
         "kl_to_base_last": rows[-1][3],
         "clip_fraction_max": max(r[4] for r in rows),
     }

@@ -316,10 +316,18 @@ class AlgorithmConfig(_Section):
     entropy_min: float = Field(
         0.2,
         ge=0,
-        description="Entropy band (nats per completion token, at the sampled temperature): a step whose entropy "
-        "leaves [entropyMin, entropyMax] logs a warning and sets onlinerl_trainer_entropy_out_of_band.",
+        description="Entropy band (nats per completion token, at the sampled temperature): when the running entropy "
+        "(entropyWindowTokens) leaves [entropyMin, entropyMax] the trainer logs a warning and sets "
+        "onlinerl_trainer_entropy_out_of_band.",
     )
     entropy_max: float = Field(2.0, gt=0, description="Upper end of the entropy band (see entropyMin).")
+    entropy_window_tokens: int = Field(
+        512,
+        ge=0,
+        description="The band applies to the token-weighted mean entropy of the latest updates holding at least this "
+        "many completion tokens (~20 samples), not to one update: a 2-sample update's entropy is noise (0.17-1.44 "
+        "in one run). 0: each update alone.",
+    )
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)

@@ -15,7 +15,7 @@ import redis
 from onlinerl.config import AlgorithmConfig, OnlineRLConfig, from_mapping
 from onlinerl.keys import Keys
 from onlinerl.schemas import TrainingSample
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages, is_inert, subsample_negatives
+from onlinerl_trainer.advantages import RunningBaseline, select_trainable
 from onlinerl_trainer.batching import StreamSample
 
 JOB = "tjob"
@@ -80,19 +80,14 @@ def stream_ids(client: redis.Redis) -> set[str]:
 
 
 def as_the_feed_trains(rows: list[StreamSample], algo: AlgorithmConfig) -> tuple[list[StreamSample], list[float]]:
-    """The rows and advantages a fresh trainer trains from one admitted batch (feed.Feed.admit): advantages against
-    a new running baseline, rejects subsampled and weighted (negativeSampleRate, negativeWeight), inert samples
-    dropped. A single-process reference built from this sees what the trainer's ranks see."""
-    adv = compute_advantages(
+    """The rows and advantages a fresh trainer trains from one admitted batch: the feed's own rule
+    (advantages.select_trainable) against a new running baseline. A single-process reference built from this sees
+    what the trainer's ranks see."""
+    chosen = select_trainable(
+        [r.sample_id for r in rows],
         [r.sample.reward for r in rows],
         [r.sample.tenant for r in rows],
-        baseline=algo.baseline,
-        running=RunningBaseline(algo.baseline_momentum),
-        normalize=algo.normalize_advantages,
+        algo,
+        RunningBaseline(algo.baseline_momentum),
     )
-    keep, weighted = subsample_negatives(
-        [r.sample_id for r in rows], adv, algo.negative_sample_rate, algo.negative_weight
-    )
-    pairs = [(rows[i], a) for i, a in zip(keep, weighted, strict=True)]
-    live = [(r, a) for r, a in pairs if not is_inert(a, algo.kl_coef, algo.entropy_coef)]
-    return [r for r, _ in live], [a for _, a in live]
+    return [rows[i] for i in chosen.train], chosen.advantages

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from onlinerl.config import AlgorithmConfig
 from onlinerl.schemas import TrainingSample
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages, keep_fraction, subsample_negatives
+from onlinerl_trainer.advantages import (
+    RunningBaseline,
+    compute_advantages,
+    keep_fraction,
+    select_trainable,
+    subsample_negatives,
+)
 from onlinerl_trainer.batching import StreamSample, collate, fit_to_length, staleness, staleness_action
 
 
@@ -172,3 +179,32 @@ def test_negative_weight_keeps_that_share_of_the_rejects_expected_gradient_and_l
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="negative weight"):
             subsample_negatives(ids[:1], [-1.0], 0.5, weight=bad)
+
+
+def test_select_trainable_accounts_for_every_sample_once():
+    """The feed's rule, end to end on a batch: the baseline sees every reward, rejects are drawn and weighted,
+    samples without gradient are set aside; every index lands in exactly one of train, subsampled, inert."""
+    ids = [f"{1700000000000 + i}-0" for i in range(400)]
+    rewards = [0.75 if i % 8 == 0 else -0.25 for i in range(400)]
+    algo = AlgorithmConfig(negative_sample_rate=0.15, negative_weight=0.15)
+    running = RunningBaseline(algo.baseline_momentum)
+    chosen = select_trainable(ids, rewards, ["acme"] * 400, algo, running)
+    assert sorted(chosen.train + chosen.subsampled + chosen.inert) == list(range(400))
+    assert chosen.inert == []  # under the running baseline every reject is below it
+    accepts = [i for i in range(400) if rewards[i] > 0]
+    assert set(accepts) <= set(chosen.train) and all(
+        a == 0.75 for i, a in zip(chosen.train, chosen.advantages, strict=True) if i in accepts
+    )
+    kept_rejects = [a for i, a in zip(chosen.train, chosen.advantages, strict=True) if rewards[i] < 0]
+    assert 0.10 < len(kept_rejects) / 350 < 0.20 and all(a == pytest.approx(-0.25) for a in kept_rejects)
+    assert running.means["acme"] == pytest.approx(0.1 * (sum(rewards) / 400))  # every reward seen, kept or not
+
+    # run 6's reward with no baseline: a reject has advantage 0 and, with no KL, no gradient
+    algo = AlgorithmConfig(baseline="none", kl_coef=0.0, negative_sample_rate=0.15, negative_weight=0.15)
+    chosen = select_trainable(ids[:4], [1.0, 0.0, 0.0, 1.0], ["acme"] * 4, algo, None)
+    assert (chosen.train, chosen.advantages, chosen.inert, chosen.subsampled) == ([0, 3], [1.0, 1.0], [1, 2], [])
+    # the same zeros under a KL penalty are trained: the KL term has a gradient
+    chosen = select_trainable(
+        ids[:4], [1.0, 0.0, 0.0, 1.0], ["acme"] * 4, algo.model_copy(update={"kl_coef": 0.1}), None
+    )
+    assert chosen.train == [0, 1, 2, 3] and chosen.inert == []

@@ -45,10 +45,13 @@ def test_update_summary_reads_the_trainers_log_with_and_without_the_kl():
         " KL to base 2.00e-03, clip fraction 0.100\n"
         "x INFO onlinerl.trainer: update: 2 samples, negative-advantage share 0.00, entropy 0.400, approx KL 4.00e-02,"
         " KL to base off (klCoef 0), clip fraction 0.200\n"
+        "x INFO onlinerl.trainer: update: 4 samples, negative-advantage share 0.50, entropy 0.600, approx KL 4.00e-02,"
+        " KL to base off (klCoef 0), clip fraction 0.000, running entropy 0.650\n"
     )
     summary = update_summary(log)
-    assert summary["steps"] == 2 and summary["samples"] == 12
-    assert summary["negative_advantage_share"] == pytest.approx(8 / 12)
+    assert summary["steps"] == 3 and summary["samples"] == 16
+    assert summary["negative_advantage_share"] == pytest.approx(10 / 16)
     assert (summary["entropy_min"], summary["entropy_max"], summary["clip_fraction_max"]) == (0.4, 0.9, 0.2)
+    assert (summary["running_entropy_min"], summary["running_entropy_max"]) == (0.65, 0.65)
     assert summary["kl_to_base_last"] != summary["kl_to_base_last"]  # off: NaN
     assert update_summary("nothing trained") == {"steps": 0}

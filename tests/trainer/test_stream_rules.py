@@ -10,7 +10,7 @@ import pytest
 from onlinerl.dataplane import audit, versions
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyVersionState
-from onlinerl_trainer.batching import StreamSample
+from onlinerl_trainer.advantages import select_trainable
 from onlinerl_trainer.trainer import Trainer
 
 from .conftest import JOB, make_sample, stream_ids, trainer_config, xadd_samples
@@ -136,16 +136,12 @@ def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_
     assert trainer.train_on(trainer.collect()) is None
     assert stream_ids(redis_client) == set() and counter(trainer, "onlinerl_trainer_inert_samples_total") == 6.0
 
-    # With a KL term every sample has a gradient again: nothing is skipped.
+    # With a KL term every sample has a gradient again: nothing is skipped (advantages.select_trainable).
     cfg_kl = trainer_config(
         tmp_path / "ckpt2", valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.1}
     )
-    rows = [StreamSample("1-0", sample(1, reward=1.0), 0), StreamSample("2-0", sample(2, reward=0.0), 0)]
-    assert Trainer(cfg_kl, redis_client, tiny_model_path).feed._without_inert(rows, [1.0, 0.0]) == (
-        rows,
-        [1.0, 0.0],
-        [],
-    )
+    chosen = select_trainable(["1-0", "2-0"], [1.0, 0.0], ["acme", "acme"], cfg_kl.trainer.algorithm, None)
+    assert (chosen.train, chosen.advantages, chosen.inert) == ([0, 1], [1.0, 0.0], [])
 
 
 @pytest.mark.parametrize(("weight", "kept_reject"), [(1.0, -0.5), (0.5, -0.25)])

@@ -717,7 +717,11 @@ def trainer() -> dict[str, Any]:
         Panel(
             "Entropy and grad norm",
             "timeseries",
-            [(gauge("onlinerl_trainer_entropy"), "entropy"), (gauge("onlinerl_trainer_grad_norm"), "grad norm")],
+            [
+                (gauge("onlinerl_trainer_entropy"), "entropy (last update)"),
+                (gauge("onlinerl_trainer_entropy_running"), "entropy (running: the band's)"),
+                (gauge("onlinerl_trainer_grad_norm"), "grad norm"),
+            ],
             width=8,
         ),
         Panel(

@@ -11,7 +11,10 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from onlinerl.config import AlgorithmConfig
 
 Baseline = Literal["running", "batch", "none"]
 
@@ -138,3 +141,42 @@ def is_inert(advantage: float, kl_coef: float, entropy_coef: float) -> bool:
     """A sample whose loss has no gradient: advantage 0 and no KL or entropy term acting on it. The trainer
     acknowledges it without a forward pass (on CPU most of its time)."""
     return advantage == 0.0 and kl_coef == 0.0 and entropy_coef == 0.0
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one admitted batch trains (indices into it, with their advantages), and what it leaves, by reason."""
+
+    train: list[int]
+    advantages: list[float]
+    subsampled: list[int]  # negative advantages not drawn (negativeSampleRate)
+    inert: list[int]  # no gradient at all (is_inert): acknowledged without a forward pass
+
+
+def select_trainable(
+    sample_ids: Sequence[str],
+    rewards: Sequence[float],
+    tenants: Sequence[str],
+    algo: AlgorithmConfig,
+    running: RunningBaseline | None,
+) -> Selection:
+    """The trainer's whole rule from rewards to trained samples, in its order: advantages against the baseline
+    (which sees every reward, kept or not), then rejects subsampled and weighted (:func:`subsample_negatives`), then
+    samples without gradient dropped (:func:`is_inert`: with the ``rlinf`` reward and no baseline, every reject).
+    The feed and the tests' single-process references both call this, so they cannot drift apart."""
+    adv = compute_advantages(
+        rewards, tenants, baseline=algo.baseline, running=running, normalize=algo.normalize_advantages
+    )
+    keep, weighted = subsample_negatives(sample_ids, adv, algo.negative_sample_rate, algo.negative_weight)
+    kept = set(keep)
+    subsampled = [i for i in range(len(adv)) if i not in kept]
+    train: list[int] = []
+    advantages: list[float] = []
+    inert: list[int] = []
+    for i, a in zip(keep, weighted, strict=True):
+        if is_inert(a, algo.kl_coef, algo.entropy_coef):
+            inert.append(i)
+        else:
+            train.append(i)
+            advantages.append(a)
+    return Selection(train, advantages, subsampled, inert)

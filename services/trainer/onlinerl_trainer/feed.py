@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from onlinerl.config import TrainerConfig
 from onlinerl.dataplane import audit
 from onlinerl.schemas import AuditEntry, TrainingSample
-from onlinerl_trainer.advantages import RunningBaseline, compute_advantages, is_inert, subsample_negatives
+from onlinerl_trainer.advantages import RunningBaseline, select_trainable
 from onlinerl_trainer.batching import StreamSample, staleness, staleness_action
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.stream import Entry, SampleStream
@@ -131,31 +131,19 @@ class SampleFeed:
         self.stream.ack(discard)
         if not samples:
             return Admitted([], [])
-        adv = compute_advantages(
+        chosen = select_trainable(
+            [s.sample_id for s in samples],
             [s.sample.reward for s in samples],
             [s.sample.tenant for s in samples],
-            baseline=self.algo.baseline,
-            running=self.baseline,
-            normalize=self.algo.normalize_advantages,
+            self.algo,
+            self.baseline,
         )
-        samples, adv, skipped = self._subsampled(samples, adv)
-        samples, adv, inert = self._without_inert(samples, adv)
-        self.stream.ack(skipped + inert)
-        return Admitted(samples, adv)
-
-    def _subsampled(
-        self, samples: list[StreamSample], adv: list[float]
-    ) -> tuple[list[StreamSample], list[float], list[str]]:
-        """Negative-advantage samples kept at ``negativeSampleRate``, weighted by ``negativeWeight`` (advantages.py);
-        the others are acknowledged untrained. The baseline above already saw every reward."""
-        ids = [s.sample_id for s in samples]
-        keep, weighted = subsample_negatives(ids, adv, self.algo.negative_sample_rate, self.algo.negative_weight)
-        if len(keep) == len(samples):
-            return samples, weighted, []
-        kept = set(keep)
-        skipped = [s.sample_id for i, s in enumerate(samples) if i not in kept]
-        self.metrics.subsampled.inc(len(skipped))
-        return [samples[i] for i in keep], weighted, skipped
+        # rejects not drawn by negativeSampleRate (the kept ones carry their weight), and samples without gradient
+        # (advantage 0, no KL or entropy term): both acknowledged untrained; on CPU the pass is the scarce resource
+        self.metrics.subsampled.inc(len(chosen.subsampled))
+        self.metrics.inert.inc(len(chosen.inert))
+        self.stream.ack([samples[i].sample_id for i in chosen.subsampled + chosen.inert])
+        return Admitted([samples[i] for i in chosen.train], chosen.advantages)
 
     def _admissible(
         self, entries: list[Entry], version: int, oldest_served: int | None = None
@@ -220,20 +208,6 @@ class SampleFeed:
                 "%d entries delivered again are already trained, not training them twice: %s", len(again), again[:5]
             )
         return keep, discard, refused
-
-    def _without_inert(
-        self, samples: list[StreamSample], adv: list[float]
-    ) -> tuple[list[StreamSample], list[float], list[str]]:
-        """Drop samples whose gradient is exactly zero: advantage 0 with no KL or entropy term (with the ``rlinf``
-        reward and no baseline, every reject). They are acknowledged without a forward pass, which on CPU is most of
-        the trainer's time; the gradient is unchanged up to the token-mean scale, which Adam absorbs."""
-        dead = [is_inert(a, self.algo.kl_coef, self.algo.entropy_coef) for a in adv]
-        if not any(dead):
-            return samples, adv, []
-        keep = [i for i, d in enumerate(dead) if not d]
-        inert = [s.sample_id for s, d in zip(samples, dead, strict=True) if d]
-        self.metrics.inert.inc(len(inert))
-        return [samples[i] for i in keep], [adv[i] for i in keep], inert
 
     # --- bookkeeping after training and publishing --------------------------------------------------------------
     def trained(self, ids: list[str]) -> None:

@@ -70,8 +70,8 @@ The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choos
     the policy at the base (screen W: nothing moved; the same without the KL learned). An exact KL over the
     vocabulary would also see mass moving to junk tokens, but needs the base's [B, T, V] distribution across epochs
     (50 MB here, ~20 GB for 64 x 512 tokens x 150k). Collapse is watched instead: the entropy of the sampled
-    positions is reported every step and checked against [entropy_min, entropy_max] (learner.health_stats), with the
-    share of A < 0 samples.
+    positions is reported every step; its running mean over the latest entropy_window_tokens completion tokens is
+    checked against [entropy_min, entropy_max] (learner.health_stats, EntropyWindow), with the share of A < 0 samples.
     Not used: advantage normalisation (divides ~0.05-scale reject advantages by a batch std of ~0.3: larger steps,
     the wrong direction for stability); per-context baselines (each context is served once: a group baseline needs
     n samples per request, n times the CPU serving cost).

@@ -20,6 +20,7 @@ STAT_GAUGES = {
     "advantage_mean": "advantage_mean",
     "advantage_std": "advantage_std",
     "entropy": "entropy",
+    "entropy_running": "entropy_running",
     "grad_norm": "grad_norm",
     "kl_to_base": "kl",
     "negative_advantage_share": "negative_advantage_share",

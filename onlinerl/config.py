@@ -275,7 +275,7 @@ class AlgorithmConfig(_Section):
 
     The defaults let a reject carry gradient without flattening the policy or drowning the accepts (docs/demo.md,
     "Choosing the default algorithm" and "Offline screen"): Cursor's reward with a running baseline pushes rejected
-    completions down, and four tools bound how far: the rejects' share of the gradient (negativeWeight 0.15), a
+    completions down, and four tools bound how far: the rejects' share of the gradient (negativeWeight 0.05), a
     tighter lower clip for negative advantages (clipEpsNegative), the dual clip, and seq-mean aggregation (a long
     rejected completion weighs as much as a short accepted one, not more). The KL penalty to the base (klCoef) is
     available and off: at 0.1 it held the policy at the base.
@@ -338,17 +338,18 @@ class AlgorithmConfig(_Section):
         le=1,
         description="Share of negative-advantage samples (rejects) trained; each trained one carries "
         "negativeWeight/rate of its advantage (negativeWeight 1: the expected gradient is unchanged). Below 1 where "
-        "trainer passes, not events, are scarce (the cpu profile: 0.15); the rest are acknowledged untrained "
+        "trainer passes, not events, are scarce (the cpu profile: 0.05); the rest are acknowledged untrained "
         "(onlinerl_trainer_subsampled_samples).",
     )
     negative_weight: float = Field(
-        0.15,
+        0.05,
         gt=0,
         le=1,
         description="Share of the rejects' expected gradient kept: a trained negative-advantage sample carries "
         "negativeWeight / negativeSampleRate of its advantage. On shown suggestions this is a smaller constant "
-        "baseline (weight x the running one), so the expected gradient keeps its direction; 0.15 lets the few "
-        "accepts lead each update (docs/demo.md, offline screen: weight 1 moved nothing held-out, 0.15 learned).",
+        "baseline (weight x the running one), so the expected gradient keeps its direction, and the few accepts "
+        "lead each update (docs/demo.md: weight 1 moved nothing held-out, 0.15 learned, 0.05 learned further; "
+        "run 16).",
     )
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 

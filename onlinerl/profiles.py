@@ -19,14 +19,15 @@ Why each ``cpu`` value (docs/demo.md, "Configuration of the demonstration"; meas
   versions come every two steps (run 15: a version every ~60 s, 0 failed requests).
 * ``trainer.algorithm.ppoEpochs: 4``, ``learningRate: 2e-4``: with a few samples a minute, each is reused four times;
   the PPO clip bounds how far one sample moves the policy (run 5 at 2 epochs and 1e-4 moved nothing in 11 minutes).
-* ``trainer.algorithm.negativeSampleRate: 0.15``: under the product's reward every reject carries gradient, and
+* ``trainer.algorithm.negativeSampleRate: 0.05``: under the product's reward every reject carries gradient, and
   ~90% of events are rejects. Training all of them, the trainer kept up with a quarter of the traffic (a 53-minute
   run: 464 of ~2,000 samples trained, a backlog of ~570 growing all run, so it trained on ever older samples and
-  saw a quarter of the accepts). A reject is trained with probability 0.15 at 1/0.15 of its advantage: the same
-  expected gradient (advantages.subsample_negatives), a pass for about a sixth of the events, every accept trained.
-  Each kept reject then carries its own advantage: the product's ``negativeWeight`` is 0.15 (not the profile's
-  business; loss.py says why), so weight / rate = 1. At weight 1 a kept reject carried 6.7x its advantage and the
-  rejects' noise drowned the accepts (docs/demo.md, offline screen).
+  saw a quarter of the accepts). A reject is trained with probability 0.05 (every accept is), so the trainer's
+  passes go to the accepts. Each kept reject carries negativeWeight / rate of its advantage
+  (advantages.subsample_negatives); the product's ``negativeWeight`` is 0.05 (not the profile's business; loss.py
+  says why), so a kept reject carries its own advantage. At weight 1 a kept reject carried 1/rate of it and the
+  rejects' noise drowned the accepts (docs/demo.md, offline screen); at rate and weight 0.15 (until run 16) 73% of
+  the trained samples were rejects, at 0.05 38%, and the policy learned further (run 16).
 * ``rollout.canaryShare: 0.5``, ``rollout.maxLooks: 1``: at ~30 requests a minute and a new version every few
   minutes, a 25% canary needs ~7 minutes to reach its first look (50 shown) and a within-noise candidate held the
   canary for the whole hour (max looks 5: 1,600 shown per arm), so the newer, better-trained versions never got
@@ -61,7 +62,7 @@ CPU_PROFILE: dict[str, Any] = {
     "trainer.lora.lastLayers": 8,
     "trainer.algorithm.learningRate": 2e-4,
     "trainer.algorithm.ppoEpochs": 4,
-    "trainer.algorithm.negativeSampleRate": 0.15,
+    "trainer.algorithm.negativeSampleRate": 0.05,
     "trainer.checkpoint.everySteps": 2,
     "trainer.checkpoint.everySeconds": 120.0,
     "rollout.canaryShare": 0.5,

@@ -53,8 +53,8 @@ def test_cpu_profile_fills_every_unset_field_and_never_an_explicit_one() -> None
     assert out.model.max_model_len == 2048 and out.trainer.max_seq_len == 2048
     # a sibling of an explicit field still gets the profile
     assert out.trainer.algorithm.learning_rate == 2e-4
-    # rejects are subsampled; the product's weight (0.15, not the profile's business) makes a kept one carry its own A
-    assert (out.trainer.algorithm.negative_sample_rate, out.trainer.algorithm.negative_weight) == (0.15, 0.15)
+    # rejects are subsampled; the product's weight (0.05, not the profile's business) makes a kept one carry its own A
+    assert (out.trainer.algorithm.negative_sample_rate, out.trainer.algorithm.negative_weight) == (0.05, 0.05)
     assert "negative_weight" not in out.trainer.algorithm.model_fields_set
 
 

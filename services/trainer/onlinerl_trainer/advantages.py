@@ -118,8 +118,9 @@ def subsample_negatives(
     policy gradient; its cost is variance: at rate 0.15 each kept reject carries 6.7x its advantage, and a batch's
     one or two accepts share it with a few rejects whose noise (credit on every token of a sequence, the correct
     first line included) is 2.6x larger than without subsampling. ``weight = rate`` trains each kept reject at its
-    own advantage: the default weight 0.15 equals the cpu profile's rate (docs/demo.md, "Offline screen": weight 1
-    moved nothing held-out, 0.15 learned). Positive and zero advantages are always kept, unscaled.
+    own advantage: the default weight 0.05 equals the cpu profile's rate (docs/demo.md, "Offline screen": weight 1
+    moved nothing held-out, 0.15 learned; run 16: 0.05 learned further). Positive and zero advantages are always
+    kept, unscaled.
     """
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"negative sample rate must be in (0, 1], got {rate}")

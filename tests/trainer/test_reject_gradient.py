@@ -80,9 +80,10 @@ def _after_a_production_mix(tmp_path, redis_client, valkey, tiny_model_path, enc
 
 def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, valkey, tiny_model_path, enc):
     """In the middle of training, a step moves the policy by Adam's momentum as well as by its own gradient: with the
-    rejects at 0.15 of their push the previous step's accept can outweigh them. What the reject itself does is
-    measured against a twin: the same trainer state (same seed, same first batch) taking the same step on rejects of
-    an unrelated completion. Rejecting REJECTED must leave it less likely than the twin's step does."""
+    rejects at a fraction of their push (negativeWeight) the previous step's accept can outweigh them. What the
+    reject itself does is measured against a twin: the same trainer state (same seed, same first batch) taking the
+    same step on rejects of an unrelated completion. Rejecting REJECTED must leave it less likely than the twin's
+    step does."""
     reward = RewardConfig()
     assert reward.rejected < 0 < reward.accepted  # the product's default reward penalises a reject
     twin_before, twin_after, _, _ = _after_a_production_mix(

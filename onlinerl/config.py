@@ -169,20 +169,35 @@ class ServingConfig(_Section):
 class RewardConfig(_Section):
     """Reward per outcome.
 
-    ``cursor`` (default) lets the policy learn when to stay silent; ``rlinf`` is the seed's 1/0.
+    ``chars`` (default) is Cursor's table with the accept paid by what it saves the user: ``accepted`` plus
+    ``acceptedPerChar`` for each shown character up to ``acceptedCharsCap`` (0.5 + 0.0125 x min(n, 40): 0.55 for
+    four characters, Cursor's 0.75 at twenty, 1.0 for a full line of forty). Under a flat accept reward the policy
+    learns to stop after the part it is surest of (docs/demo.md, run 16: suggestions halved, accepted characters
+    flat on PyYAML); paying by the characters keeps "write more of the line" worth something. Rejects (-0.25) and
+    silence (0) are Cursor's, so the policy still learns when to say nothing: show only when
+    P(accept) x accept reward > (1 - P(accept)) x 0.25, a bar of 31% for four characters and 20% for a line.
+    ``cursor`` is Cursor's flat +0.75 / -0.25 / 0; ``rlinf`` is the seed's 1/0; ``custom`` is the fields given over
+    the ``chars`` table (``acceptedPerChar: 0`` makes the accept flat).
     """
 
-    preset: Literal["cursor", "rlinf", "custom"] = "cursor"
-    accepted: float = 0.75
+    preset: Literal["chars", "cursor", "rlinf", "custom"] = "chars"
+    accepted: float = 0.5
+    accepted_per_char: float = Field(
+        0.0125, ge=0, description="Added to an accept's reward per shown character (trimmed), up to acceptedCharsCap."
+    )
+    accepted_chars_cap: int = Field(40, ge=0, description="Characters beyond this earn no more (about one line).")
     rejected: float = -0.25
     empty: float = 0.0
 
     @model_validator(mode="after")
     def _apply_preset(self) -> RewardConfig:
         if self.preset == "rlinf":
-            self.accepted, self.rejected, self.empty = 1.0, 0.0, 0.0
+            self.accepted, self.accepted_per_char, self.rejected, self.empty = 1.0, 0.0, 0.0, 0.0
         elif self.preset == "cursor":
-            self.accepted, self.rejected, self.empty = 0.75, -0.25, 0.0
+            self.accepted, self.accepted_per_char, self.rejected, self.empty = 0.75, 0.0, -0.25, 0.0
+        elif self.preset == "chars":
+            self.accepted, self.accepted_per_char, self.accepted_chars_cap = 0.5, 0.0125, 40
+            self.rejected, self.empty = -0.25, 0.0
         return self
 
 
@@ -274,10 +289,11 @@ class AlgorithmConfig(_Section):
     """Critic-free clipped PPO (see services/trainer/onlinerl_trainer/loss.py for the math).
 
     The defaults let a reject carry gradient without flattening the policy or drowning the accepts (docs/demo.md,
-    "Choosing the default algorithm" and "Offline screen"): Cursor's reward with a running baseline pushes rejected
-    completions down, and four tools bound how far: the rejects' share of the gradient (negativeWeight 0.05), a
-    tighter lower clip for negative advantages (clipEpsNegative), the dual clip, and seq-mean aggregation (a long
-    rejected completion weighs as much as a short accepted one, not more). The KL penalty to the base (klCoef) is
+    "Choosing the default algorithm" and "Offline screen"): the default reward (a reject at -0.25) with a running
+    baseline pushes rejected completions down, and four tools bound how far: the rejects' share of the gradient
+    (negativeWeight 0.05), a tighter lower clip for negative advantages (clipEpsNegative), the dual clip, and
+    seq-mean aggregation (a long rejected completion weighs as much as a short accepted one, not more). The KL
+    penalty to the base (klCoef) is
     available and off: at 0.1 it held the policy at the base.
     """
 

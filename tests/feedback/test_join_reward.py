@@ -95,7 +95,14 @@ def test_best_join_prefers_exact_then_most_tokens_and_never_another_tenant():
 @pytest.mark.parametrize(
     ("preset", "accepted", "shown", "reward"),
     [
+        ("chars", True, "abcd", 0.55),  # four characters: 0.5 + 4 x 0.0125
+        ("chars", True, "  " + "x" * 20 + "\n", 0.75),  # trimmed: twenty characters, Cursor's flat value
+        ("chars", True, "x" * 40, 1.0),
+        ("chars", True, "x" * 400, 1.0),  # capped at a line
+        ("chars", False, "x" * 40, -0.25),  # a reject costs the same at any length
+        ("chars", True, "\n ", 0.0),
         ("cursor", True, "x", 0.75),
+        ("cursor", True, "x" * 40, 0.75),
         ("cursor", False, "x", -0.25),
         ("cursor", True, " \n", 0.0),
         ("rlinf", True, "x", 1.0),
@@ -104,11 +111,31 @@ def test_best_join_prefers_exact_then_most_tokens_and_never_another_tenant():
     ],
 )
 def test_reward_presets(preset, accepted, shown, reward):
-    assert reward_for(accepted, shown, RewardConfig(preset=preset)) == reward
+    assert reward_for(accepted, shown, RewardConfig(preset=preset)) == pytest.approx(reward)
+
+
+def test_default_reward_pays_an_accept_by_its_length():
+    cfg = RewardConfig()
+    assert cfg.preset == "chars"
+    rewards = [reward_for(True, "x" * n, cfg) for n in (4, 10, 20, 30, 40)]
+    assert rewards == sorted(rewards) and len(set(rewards)) == 5
+    assert reward_for(True, "x" * 4, cfg) > 0 > reward_for(False, "x", cfg)  # any accept beats silence beats a reject
+
+
+def test_reward_counts_the_policys_text_not_the_clients_claim():
+    """A client that uploads a longer text than was shown cannot buy a larger reward: the join pays the shown span of
+    the rollout's own completion. Verified: the trimmed match pays the 4 characters without the padding."""
+    rec = record(["ab", "cd", ""])
+    padded = CompletionOutcome(completionId="c1", accepted=True, completion="  abcd  ", prompt="p")
+    d = decide(padded, "acme", "p", [rec], FeedbackConfig(), now=5.0, table=TABLE)
+    assert d.details["match"] == "trimmed" and d.details["reward"] == pytest.approx(0.55)
+    forged = CompletionOutcome(completionId="c1", accepted=True, completion="ab" + "X" * 200, prompt="p")
+    d = decide(forged, "acme", "p", [rec], FeedbackConfig(trainUnmatched=True), now=5.0, table=TABLE)
+    assert d.details["match"] == "unverified" and d.details["reward"] == pytest.approx(0.5 + 2 * 0.0125)
 
 
 def test_custom_reward_uses_the_numbers_given():
-    cfg = RewardConfig(preset="custom", accepted=2.0, rejected=-1.0, empty=-0.1)
+    cfg = RewardConfig(preset="custom", accepted=2.0, acceptedPerChar=0.0, rejected=-1.0, empty=-0.1)
     assert [reward_for(True, "x", cfg), reward_for(False, "x", cfg), reward_for(False, "", cfg)] == [2.0, -1.0, -0.1]
 
 

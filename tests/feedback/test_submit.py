@@ -52,7 +52,8 @@ def test_accepted_exact_match_becomes_a_sample(server, r, keys, http, tokenizer)
     assert resp.status_code == 200, resp.text
     out = resp.json()
     assert out["status"] == "accepted_for_training"
-    assert (out["match"], out["reward"], out["rollout_id"], out["policy_version"]) == ("exact", 0.75, rec.rollout_id, 3)
+    assert (out["match"], out["rollout_id"], out["policy_version"]) == ("exact", rec.rollout_id, 3)
+    assert out["reward"] == pytest.approx(0.5 + 0.0125 * len("return a + b"))  # the default reward pays 12 characters
     (sample,), _ = assert_streams(r, keys, samples=1, audit=0)
     assert r.xrange(keys.samples)[0][0].decode() == out["sample_id"]
     assert sample["event_id"] == body["completionId"] and sample["tenant"] == "acme"
@@ -60,7 +61,7 @@ def test_accepted_exact_match_becomes_a_sample(server, r, keys, http, tokenizer)
     # Whole generation shown: every token, EOS included, with its behaviour log-prob.
     assert sample["completion_token_ids"] == rec.completion_token_ids
     assert sample["behaviour_logprobs"] == rec.behaviour_logprobs
-    assert (sample["reward"], sample["accepted"]) == (0.75, True)
+    assert (sample["reward"], sample["accepted"]) == (out["reward"], True)
     assert (sample["arm"], sample["policy_version"], sample["match"]) == ("candidate", 3, "exact")
     assert r.hgetall(keys.stats(3, "candidate")) == {
         b"shown": b"1",

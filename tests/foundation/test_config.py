@@ -9,7 +9,14 @@ def test_defaults_are_valid_and_camelcase_roundtrip():
     cfg = OnlineRLConfig()
     dumped = cfg.dump()
     assert dumped["serving"]["maxTokensCap"] == 4096
-    assert dumped["feedback"]["reward"] == {"preset": "cursor", "accepted": 0.75, "rejected": -0.25, "empty": 0.0}
+    assert dumped["feedback"]["reward"] == {
+        "preset": "chars",
+        "accepted": 0.5,
+        "acceptedPerChar": 0.0125,
+        "acceptedCharsCap": 40,
+        "rejected": -0.25,
+        "empty": 0.0,
+    }
     assert OnlineRLConfig.model_validate(dumped) == cfg
 
 
@@ -36,6 +43,8 @@ def test_onlinerljob_manifest_is_accepted_as_config(tmp_path):
 
 def test_reward_presets():
     assert OnlineRLConfig.model_validate({"feedback": {"reward": {"preset": "rlinf"}}}).feedback.reward.accepted == 1.0
+    cursor = OnlineRLConfig.model_validate({"feedback": {"reward": {"preset": "cursor"}}}).feedback.reward
+    assert (cursor.accepted, cursor.accepted_per_char, cursor.rejected) == (0.75, 0.0, -0.25)
     custom = OnlineRLConfig.model_validate({"feedback": {"reward": {"preset": "custom", "rejected": -1}}})
     assert custom.feedback.reward.rejected == -1.0
 

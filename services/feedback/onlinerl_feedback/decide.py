@@ -200,7 +200,7 @@ def decide(
             newest = max(trainable, key=lambda r: r.created_at)
             partial = common_prefix_join(newest, event.completion, table)
             if partial.token_ids:
-                reward = reward_for(event.accepted, event.completion, cfg.reward)
+                reward = reward_for(event.accepted, partial.shown_text, cfg.reward)
                 return Decision(
                     ACCEPTED,
                     True,
@@ -237,7 +237,7 @@ def decide(
             base,
             rates=r.rollout_id,
         )
-    reward = reward_for(event.accepted, event.completion, cfg.reward)
+    reward = reward_for(event.accepted, joined.shown_text, cfg.reward)
     return Decision(
         ACCEPTED,
         True,

@@ -54,6 +54,12 @@ class Join:
     def match(self) -> MatchKind:
         return self.span.match
 
+    @property
+    def shown_text(self) -> str:
+        """The shown span of the policy's own text: what a length-aware reward pays for (never the client's claim,
+        so a client cannot inflate a reward with characters the policy did not write)."""
+        return self.record.completion[self.span.start : self.span.end]
+
 
 def match_span(generated: str, shown: str) -> Span | None:
     """The relation between generated and shown text, or None when the shown text is not derived from it."""

@@ -24,6 +24,10 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from onlinerl.config import RewardConfig
 
 
 def resp_commands(data: bytes) -> Iterator[list[bytes]]:
@@ -90,6 +94,14 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def rescored(sample: dict, reward: RewardConfig) -> float:
+    """The reward ``reward`` gives the sample's recorded outcome (accepted or not, the text shown; a silence sample
+    shows nothing): another reward table screened on the same outcomes."""
+    from onlinerl_feedback.reward import reward_for
+
+    return reward_for(bool(sample.get("accepted")), sample.get("shown_text") or "", reward)
+
+
 def cmd_inject(args: argparse.Namespace) -> int:
     """XADD the archive's samples with their original ids to the stack's samples stream (its job's key)."""
     from onlinerl.dataplane import samples
@@ -102,6 +114,8 @@ def cmd_inject(args: argparse.Namespace) -> int:
         if args.rewards:  # another reward table on the same outcomes (the archive's runs had no silence samples)
             accepted, rejected = (float(x) for x in args.rewards.split(","))
             sample["reward"] = accepted if sample["accepted"] else rejected
+        elif args.rescore:
+            sample["reward"] = rescored(sample, cfg.feedback.reward)
         samples.add(r, keys, json.dumps(sample), entry_id=row["id"])
     print(f"injected {len(lines)} samples into {keys.samples}")
     return 0
@@ -176,6 +190,9 @@ def main() -> int:
     i.add_argument("--state", type=Path, required=True)
     i.add_argument("--archive", type=Path, required=True, nargs="+", help="archives, oldest first")
     i.add_argument("--rewards", default="", help="ACCEPTED,REJECTED: recompute each reward (e.g. 1,0 for rlinf)")
+    i.add_argument(
+        "--rescore", action="store_true", help="recompute each reward with the stack config's feedback.reward table"
+    )
     i.set_defaults(func=cmd_inject)
     w = sub.add_parser("wait", help="until the trainer acknowledged every sample; prints the last version")
     w.add_argument("--state", type=Path, required=True)

@@ -3,7 +3,8 @@
 # trainer the archived samples, wait until every one is acknowledged, then evaluate the last version on the held-out
 # split (Continue's temperature) and compare it with the base's results in BASE_RESULTS (a v0.jsonl of the same
 # split and limit, e.g. from a run's `onlinerl eval`; EVAL_BASE=1 evaluates v0 in this run instead).
-# Usage: [REWARDS=1,0] [EVAL_LIMIT=200] [DATA=.onlinerl-demo12/data] [BASE_RESULTS=.onlinerl-demo12/eval/v0.jsonl]
+# RESCORE=1 recomputes every archived reward with CONFIG's feedback.reward (e.g. the cursor preset on a chars run).
+# Usage: [REWARDS=1,0 | RESCORE=1] [EVAL_LIMIT=200] [DATA=.onlinerl-demo12/data] [BASE_RESULTS=.onlinerl-demo12/eval/v0.jsonl]
 #        bench/replay_screen.sh CONFIG STATE ARCHIVE.jsonl [ARCHIVE.jsonl ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ until grep -q "onlinerl is up" "$STATE/up.log"; do
   sleep 2
 done
 START=$(date +%s)
-$BIN/python bench/replay_samples.py inject --state "$STATE" --archive "$@" ${REWARDS:+--rewards "$REWARDS"}
+$BIN/python bench/replay_samples.py inject --state "$STATE" --archive "$@" ${REWARDS:+--rewards "$REWARDS"} ${RESCORE:+--rescore}
 VERSION=$($BIN/python bench/replay_samples.py wait --state "$STATE" | tail -1)
 echo "trained into v$VERSION in $(( $(date +%s) - START )) s"
 $BIN/python bench/replay_samples.py updates "$STATE/logs/trainer.log" | tee "$STATE/updates.json"

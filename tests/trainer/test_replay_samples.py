@@ -8,7 +8,8 @@ import json
 import pytest
 import redis
 
-from bench.replay_samples import extract, resp_commands, update_summary
+from bench.replay_samples import extract, rescored, resp_commands, update_summary
+from onlinerl.config import RewardConfig
 from onlinerl.keys import Keys
 from onlinerl.valkey import EmbeddedValkey
 
@@ -55,3 +56,12 @@ def test_update_summary_reads_the_trainers_log_with_and_without_the_kl():
     assert (summary["running_entropy_min"], summary["running_entropy_max"]) == (0.65, 0.65)
     assert summary["kl_to_base_last"] != summary["kl_to_base_last"]  # off: NaN
     assert update_summary("nothing trained") == {"steps": 0}
+
+
+def test_rescoring_gives_the_recorded_outcomes_another_reward_table():
+    accept = {"accepted": True, "shown_text": "  return x\n", "reward": 0.75}
+    reject = {"accepted": False, "shown_text": "return y", "reward": -0.25}
+    silence = {"accepted": False, "shown_text": "", "reward": 0.0}
+    chars, cursor = RewardConfig(preset="chars"), RewardConfig(preset="cursor")
+    assert [rescored(s, chars) for s in (accept, reject, silence)] == pytest.approx([0.5 + 8 * 0.0125, -0.25, 0.0])
+    assert [rescored(s, cursor) for s in (accept, reject, silence)] == [0.75, -0.25, 0.0]

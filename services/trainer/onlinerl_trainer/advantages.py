@@ -111,7 +111,7 @@ def subsample_negatives(
 ) -> tuple[list[int], list[float]]:
     """Subsampling of negative advantages: (indices to train, their advantages).
 
-    On CPU most events are rejects with a small negative advantage each (Cursor's reward, ~92% rejects), and the
+    On CPU most events are rejects with a small negative advantage each (the default reward, ~92% rejects), and the
     trainer's forward/backward passes, not the data, are the scarce resource. Each negative-advantage sample is
     trained with probability ``rate`` and its advantage multiplied by ``weight / rate``, so the rejects' expected
     gradient is ``weight`` times the full one (E[1{kept} A weight / rate] = weight A). ``weight`` 1 is the unbiased

@@ -44,15 +44,18 @@ Behaviour distribution and temperature (per sequence i; z = the model's logits a
 
 The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choosing the default algorithm" and
 "Offline screen"):
-    With Cursor's reward (+0.75 / -0.25 / 0) about 92% of samples are rejects with A < 0. Pushing a sampled
+    With the default reward (an accept 0.5 + 0.0125 min(n, 40) for n shown characters, a reject -0.25, silence 0;
+    Cursor's flat +0.75 is the n = 20 point) about 92% of samples are rejects with A < 0. Pushing a sampled
     (usually modal) token down hands its mass to every other token, so unbounded it flattens the policy: run 4,
-    entropy 1.05 -> 2.33 in 24 steps, accept rate to 0. What the rejects add, on shown suggestions: Cursor's
-    +0.75 / -0.25 is the 1/0 reward minus 0.25, and the running baseline is the running mean of it, so
-    A = 1{accepted} - p_hat (p_hat: the tenant's running accept rate, ~0.05). For any constant baseline
-    E[(R - b) grad log pi] = E[1{accepted} grad log pi]: the rejects' expected push is the zero-mean score term
-    -p_hat E[grad log pi], all variance, while the few accepts carry the direction. Only silence samples (reward 0,
-    between the two) make Cursor's table another objective. Four bounds, each cheap, keep the reject's gradient
-    without letting it drown the accepts:
+    entropy 1.05 -> 2.33 in 24 steps, accept rate to 0. What the rejects add, on shown suggestions: the reward is
+    the 1/0 reward, each accept weighted by its length (g(n) = 0.75 + 0.0125 min(n, 40), 0.8 at 4 characters,
+    1.25 at a line), minus 0.25; the running baseline is the running mean of it, so A = 1{accepted} g(n) - p_hat
+    (p_hat: the tenant's running mean of 1{accepted} g, ~0.05). For any constant baseline
+    E[(R - b) grad log pi] = E[1{accepted} g grad log pi]: the rejects' expected push is the zero-mean score term
+    -p_hat E[grad log pi], all variance, while the few accepts carry the direction, and g tilts it from "stop
+    after the sure part" toward "finish the line" (under Cursor's flat table g = 1 and the policy halved its
+    suggestions, run 16). Only silence samples (reward 0, between the two) make the table another objective. Four
+    bounds, each cheap, keep the reject's gradient without letting it drown the accepts:
     - negative weight w = 0.05 (advantages.subsample_negatives, before this loss): a reject carries w of its
       advantage in expectation, A_reject = -w p_hat. That is 1{accepted} scaled by c = 1 - (1 - w) p_hat minus a
       constant baseline w p_hat: the same expected direction, less variance. Where trainer passes are scarce (the

@@ -191,14 +191,17 @@ class RewardConfig(_Section):
 
     @model_validator(mode="after")
     def _apply_preset(self) -> RewardConfig:
-        if self.preset == "rlinf":
-            self.accepted, self.accepted_per_char, self.rejected, self.empty = 1.0, 0.0, 0.0, 0.0
-        elif self.preset == "cursor":
-            self.accepted, self.accepted_per_char, self.rejected, self.empty = 0.75, 0.0, -0.25, 0.0
-        elif self.preset == "chars":
-            self.accepted, self.accepted_per_char, self.accepted_chars_cap = 0.5, 0.0125, 40
-            self.rejected, self.empty = -0.25, 0.0
+        for name, value in REWARD_PRESETS.get(self.preset, {}).items():
+            setattr(self, name, value)
         return self
+
+
+# Each named table, whole (``custom`` keeps the fields as given). ``chars`` equals the field defaults above.
+REWARD_PRESETS: dict[str, dict[str, float]] = {
+    "chars": {"accepted": 0.5, "accepted_per_char": 0.0125, "accepted_chars_cap": 40, "rejected": -0.25, "empty": 0.0},
+    "cursor": {"accepted": 0.75, "accepted_per_char": 0.0, "rejected": -0.25, "empty": 0.0},
+    "rlinf": {"accepted": 1.0, "accepted_per_char": 0.0, "rejected": 0.0, "empty": 0.0},
+}
 
 
 class FeedbackLimitsConfig(_Section):
@@ -293,8 +296,7 @@ class AlgorithmConfig(_Section):
     baseline pushes rejected completions down, and four tools bound how far: the rejects' share of the gradient
     (negativeWeight 0.05), a tighter lower clip for negative advantages (clipEpsNegative), the dual clip, and
     seq-mean aggregation (a long rejected completion weighs as much as a short accepted one, not more). The KL
-    penalty to the base (klCoef) is
-    available and off: at 0.1 it held the policy at the base.
+    penalty to the base (klCoef) is available and off: at 0.1 it held the policy at the base.
     """
 
     clip_eps: float = Field(0.2, gt=0, lt=1)

@@ -143,6 +143,20 @@ def test_whitespace_trimmed_completion_matches(server, r, keys, http, tokenizer)
     assert kept == rec.completion_token_ids[: len(kept)] and tokenizer.eos_token_id not in kept
 
 
+def test_the_reward_pays_the_policys_characters_not_the_uploads(server, r, keys, http, tokenizer):
+    """Hostile: padding the uploaded text (it still joins, trimmed) buys no reward; a longer text than the policy
+    wrote does not join at all, so it is audited, never trained or paid."""
+    rec = make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion="return a + b")
+    record_rollout(r, keys, rec)
+    padded = post(http, server, event(PROMPT, " " * 30 + "return a + b" + " " * 30)).json()
+    assert padded["match"] == "trimmed" and padded["reward"] == pytest.approx(0.5 + 0.0125 * 12)
+    rec2 = make_rollout(tokenizer, tenant="acme", prompt=PROMPT + "x", completion="return a")
+    record_rollout(r, keys, rec2)
+    longer = post(http, server, event(PROMPT + "x", "return a + b  # and forty more characters of code"))
+    assert longer.status_code == 200 and longer.json()["status"] == "unmatched"
+    assert_streams(r, keys, samples=1, audit=1)
+
+
 def test_empty_suggestion_gets_zero_reward(server, r, keys, http, tokenizer):
     rec = make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion="\n")
     record_rollout(r, keys, rec)

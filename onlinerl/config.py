@@ -296,7 +296,9 @@ class AlgorithmConfig(_Section):
     baseline pushes rejected completions down, and four tools bound how far: the rejects' share of the gradient
     (negativeWeight 0.05), a tighter lower clip for negative advantages (clipEpsNegative), the dual clip, and
     seq-mean aggregation (a long rejected completion weighs as much as a short accepted one, not more). The KL
-    penalty to the base (klCoef) is available and off: at 0.1 it held the policy at the base.
+    penalty to the base (klCoef) is available and off: at 0.1 it held the policy at the base. The ratio is clipped
+    against the trainer's own weights before each update (oldLogprobs recompute), not against the served policy:
+    under the canary most samples come from a version several behind, and run 18 met the bar where run 17 did not.
     """
 
     clip_eps: float = Field(0.2, gt=0, lt=1)
@@ -316,7 +318,14 @@ class AlgorithmConfig(_Section):
     baseline: Literal["running", "batch", "none"] = "running"
     baseline_momentum: float = Field(0.9, ge=0, lt=1)
     normalize_advantages: bool = False
-    old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
+    old_logprobs: Literal["behaviour", "recompute"] = Field(
+        "recompute",
+        description="The policy the PPO ratio is clipped against. recompute (decoupled PPO): the trainer's own "
+        "weights before the update (one no-grad forward per batch), with the served policy mu entering only through "
+        "the importance weight min(pi_old / mu, isTruncation); behaviour: mu itself, what vLLM recorded. Under the "
+        "canary a sample is served by a version several behind the trainer's, and clipping against mu clips a ratio "
+        "that is mostly staleness (docs/demo.md, run 18).",
+    )
     is_truncation: float = Field(
         2.0, gt=0, description="Cap on the behaviour-mismatch importance weight under recompute."
     )

@@ -2,7 +2,7 @@
 
 Notation (per completion token t of sequence i; shapes in brackets, B = sequences, T = token positions):
     logp      [B, T]  log pi_theta(a_t | s_t)        the policy being trained (carries the gradient)
-    old_logp  [B, T]  log pi_old(a_t | s_t)          the policy the ratio is taken against (behaviour or recomputed)
+    old_logp  [B, T]  log pi_old(a_t | s_t)          the policy the ratio is taken against (recomputed by default)
     ref_logp  [B, T]  log pi_ref(a_t | s_t)          the reference policy for the KL penalty (LoRA: adapter disabled)
     adv       [B]     A_i = R_i - b                  one advantage per sequence (one-step episode), per token
     mask      [B, T]  1 for a trained completion token, 0 for prompt / padding
@@ -68,6 +68,12 @@ The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choos
     - dual clip c = 3: a stale token whose ratio grew large (r >> 1) cannot make a reject's loss unbounded;
     - seq-mean: a rejected 3-line completion (32 tokens) weighs as much as an accepted 5-token one; with token-mean
       the long rejects dominate the batch gradient and the net push is downward even when sum_i A_i = 0.
+    The ratio is taken against pi_old = the trainer's weights before the update (old_logprobs recompute: one no-grad
+    forward per batch; decoupled PPO, Hilton et al. 2021), and mu enters only as is_weight = min(pi_old / mu, 2).
+    Under the canary most samples are served by stable, a median of 5-6 versions behind the trainer: against mu a
+    ratio starts away from 1 before any update and the clip removes what a stale accept teaches (run 17, behaviour:
+    clip fraction median 0.077, four times run 16's under direct). Recomputed, every epoch starts at r = 1 (run 18:
+    median 0.007 over 4 epochs) and the held-out bar was met on both corpora (docs/demo.md, run 18).
     The KL penalty is available and off (kl_coef 0): k3 on the sampled tokens, pi_ref = the LoRA adapter switched
     off (the base, not the previous version), one no-grad forward per batch, [B, T] floats kept across epochs;
     d k3 / d logp = 1 - pi_ref / pi_theta pulls a moved token back. At 0.1 with the rejects at weight 0.15 it held

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from onlinerl.commands.simulate import add_client_args, make_client_factory
@@ -16,7 +16,11 @@ from onlinerl.commands.simulate import add_client_args, make_client_factory
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="offline evaluation of policy versions (held-out split)")
     add_client_args(p, split="test")
-    p.add_argument("--versions", default="0,latest", help="comma list of versions; `latest` = newest loaded")
+    p.add_argument(
+        "--versions",
+        default="0,latest",
+        help="comma list of versions; `latest` = newest loaded, `stable` = what the policy table serves users",
+    )
     p.add_argument("--out", type=Path, default=None, help="output directory (default: <state>/eval)")
     p.add_argument(
         "--timeline", type=Path, default=None, help="simulate timeline to plot (default: <state>/timeline.jsonl)"
@@ -32,6 +36,37 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the lowest version is the base)",
     )
     p.set_defaults(func=_eval)
+
+
+def resolve_versions(spec: str, latest: Callable[[], int], stable: Callable[[], int]) -> list[int]:
+    """``--versions`` as numbers, in order and without repeats (the first is the base every other is compared with).
+
+    ``latest`` (the trainer's newest loaded version) and ``stable`` (the version users get) are read only when named:
+    under a canary they differ, and what users were served is the figure the product promises."""
+    from onlinerl.errors import CommandError
+
+    named = {"latest": latest, "stable": stable}
+    out: list[int] = []
+    for token in (t.strip() for t in spec.split(",")):
+        if token in named:
+            out.append(named[token]())
+        elif token.isdigit():
+            out.append(int(token))
+        else:
+            raise CommandError(f"--versions: {token!r} is not a version (a number, `latest` or `stable`)")
+    return list(dict.fromkeys(out))
+
+
+def stable_version(cfg) -> int:
+    from onlinerl.dataplane import policy
+    from onlinerl.keys import Keys
+    from onlinerl.redisconn import connect as redis_connect
+
+    r = redis_connect(cfg.redis)
+    try:
+        return policy.read(r, Keys(cfg.job)).stable
+    finally:
+        r.close()
 
 
 def latest_loaded_version(cfg) -> int:
@@ -79,7 +114,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.from_results is not None:
         return _report_from_results(args.from_results, args.out)
     cfg, samples, factory = make_client_factory(args, "test")
-    versions = [latest_loaded_version(cfg) if v.strip() == "latest" else int(v) for v in args.versions.split(",")]
+    versions = resolve_versions(args.versions, lambda: latest_loaded_version(cfg), lambda: stable_version(cfg))
     out = args.out or args.state / "eval"
     out.mkdir(parents=True, exist_ok=True)
     with held_versions(cfg, versions):

@@ -304,7 +304,18 @@ def test_eval_runs_on_a_package_corpus_through_the_real_gateway(tiny_model_path,
     )
     try:
         out = tmp_path / "eval"
-        args = ["--versions", "0,latest", "--limit", "6", "--max-tokens", "8", "--concurrency", "2", "--out", str(out)]
+        args = [
+            "--versions",
+            "0,stable,latest",
+            "--limit",
+            "6",
+            "--max-tokens",
+            "8",
+            "--concurrency",
+            "2",
+            "--out",
+            str(out),
+        ]
         proc = _cli("eval", "--state", str(state), "--data", str(yaml_corpus), *args)
     finally:
         running.stop()
@@ -315,4 +326,29 @@ def test_eval_runs_on_a_package_corpus_through_the_real_gateway(tiny_model_path,
     assert not any(r["failed"] for r in records)
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["v0"]["requests"], summary["v0"]["failed"]) == (6, 0)
-    assert set(FIGURES) <= set(summary["v0"]) and summary["comparisons"] == []  # latest is v0: nothing to compare
+    assert (
+        set(FIGURES) <= set(summary["v0"]) and summary["comparisons"] == []
+    )  # stable and latest are v0: nothing to compare
+
+
+def test_versions_name_the_served_and_the_newest_policy_in_order_once():
+    """`stable` is what users get, `latest` the trainer's newest: under a canary they differ, and both are reported."""
+    from onlinerl.commands.eval import resolve_versions
+    from onlinerl.errors import CommandError
+
+    asked: list[str] = []
+
+    def newest() -> int:
+        asked.append("latest")
+        return 44
+
+    def served() -> int:
+        asked.append("stable")
+        return 32
+
+    assert resolve_versions("0,stable,latest", newest, served) == [0, 32, 44]
+    assert resolve_versions(" 0 , 7 ", newest, served) == [0, 7] and asked == ["stable", "latest"]  # read when named
+    assert resolve_versions("0,stable,0,32", newest, lambda: 0) == [0, 32]  # the base once, first
+    for bad in ("0,newest", "0,-1", "0,", "v3"):
+        with pytest.raises(CommandError, match="is not a version"):
+            resolve_versions(bad, newest, served)

@@ -57,28 +57,28 @@ def resolve_versions(spec: str, latest: Callable[[], int], stable: Callable[[], 
     return list(dict.fromkeys(out))
 
 
-def stable_version(cfg) -> int:
-    from onlinerl.dataplane import policy
+def _read_table(cfg, read: Callable) -> int:
+    """``read(client, keys)`` on a short-lived connection to the job's Redis."""
     from onlinerl.keys import Keys
     from onlinerl.redisconn import connect as redis_connect
 
     r = redis_connect(cfg.redis)
     try:
-        return policy.read(r, Keys(cfg.job)).stable
+        return read(r, Keys(cfg.job))
     finally:
         r.close()
+
+
+def stable_version(cfg) -> int:
+    from onlinerl.dataplane import policy
+
+    return _read_table(cfg, lambda r, keys: policy.read(r, keys).stable)
 
 
 def latest_loaded_version(cfg) -> int:
     from onlinerl.dataplane import versions
-    from onlinerl.keys import Keys
-    from onlinerl.redisconn import connect as redis_connect
 
-    r = redis_connect(cfg.redis)
-    try:
-        return max(versions.read(r, Keys(cfg.job)).loaded(), default=0)
-    finally:
-        r.close()
+    return _read_table(cfg, lambda r, keys: max(versions.read(r, keys).loaded(), default=0))
 
 
 @contextlib.contextmanager
@@ -125,7 +125,7 @@ def _run_eval(args, cfg, samples, factory, versions: list[int], out: Path) -> in
     from onlinerl.loop.evaluate import run_version
 
     runs, judged = {}, {}
-    for v in dict.fromkeys(versions):
+    for v in versions:  # resolve_versions: in order, each once
         done = {"n": 0}
 
         def tick(total=len(samples), v=v, done=done) -> None:

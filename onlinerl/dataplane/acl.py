@@ -6,6 +6,14 @@ key selector ``~``) or read (``%R~``), with the commands those families' Redis t
 administrative except for ``admin`` (the CLI and a human operator). Lua scripts run with the caller's rights, so a
 script cannot widen them. The ``default`` user is switched off: an unauthenticated client can do nothing.
 
+Append-only families (``Family.appenders``: feedback on ``samples``, every audit writer) use a Redis ACL *selector*:
+the user's root rights only read such a key (``%R~``), and one selector ``(~<its write and append keys> +xadd +eval
++evalsha)`` adds the right to XADD to it, alone or from a script that declares it. Redis allows a command when the
+root rights or one selector allow it whole, so DEL, UNLINK, XTRIM, XDEL, EXPIRE or SET on the stream is refused (the
+root has no write right on it, the selector no such command), inside a script too. What no ACL rule can refuse:
+XADD's own ``MAXLEN``/``MINID`` option trims (Redis rules name commands and keys, not options), so an appender that
+runs arbitrary commands could still trim with an XADD; our code never passes one on ``samples``.
+
 Keys are ``orl:{job}:<pattern>``: the braces are literal characters of the key, and ACL patterns are globs, so the job
 is escaped (``orl:\\{demo\\}:``); a job named ``a*`` cannot reach job ``ab``'s keys.
 
@@ -50,7 +58,7 @@ _WRITE_ANY = ("del", "unlink", "expire", "pexpire", "persist")
 # the read+write selector. Each is a real widening; keep the list short and say where it comes from.
 SCRIPT_READS: frozenset[tuple[Component, str]] = frozenset(
     {
-        (Component.SERVING, "rollout verdicts"),  # policy.RAISE_STABLE (reloader, strategy direct) reads the verdict
+        (Component.RELOADER, "rollout verdicts"),  # policy.RAISE_STABLE (strategy direct) reads the verdict
         (Component.ROLLOUT, "arm statistics"),  # decisions.APPLY snapshots the stable arm's stats into a baseline
         (Component.OPERATOR, "arm statistics"),  # the same script, for spec.rollout.rollbackTo
     }
@@ -69,31 +77,49 @@ def escape_glob(text: str) -> str:
     return "".join("\\" + ch if ch in "*?[]\\{}" else ch for ch in text)
 
 
-def _families(component: Component) -> tuple[list[Family], list[Family]]:
-    """(families it writes, families it only reads) for ``component``."""
+# What an appender may do to an append-only family besides reading it: add entries, alone or from a script.
+APPEND = ("xadd", "evalsha", "eval")
+
+
+def _families(component: Component) -> tuple[list[Family], list[Family], list[Family]]:
+    """(families it writes, families it only appends to, families it only reads) for ``component``."""
     writes = [f for f in FAMILIES if f.may_write(component) or (component, f.name) in SCRIPT_READS]
-    reads = [f for f in FAMILIES if f.may_read(component) and f not in writes]
-    return writes, reads
+    appends = [f for f in FAMILIES if f.may_append(component) and f not in writes]
+    reads = [f for f in FAMILIES if f.may_read(component) and f not in writes and f not in appends]
+    return writes, appends, reads
 
 
 def key_selectors(component: Component, job: str | None) -> list[str]:
-    """``~pattern`` (read+write) per family it writes, ``%R~pattern`` per family it only reads."""
+    """The root key rights: ``~pattern`` (read+write) per family it writes, ``%R~pattern`` per family it only reads
+    or only appends to (the append right is in :func:`append_selector`)."""
     if component is Component.ADMIN:
         return ["~*"]
-    writes, reads = _families(component)
+    writes, appends, reads = _families(component)
     prefix = key_prefix(job)
-    return [f"~{prefix}{f.pattern}" for f in writes] + [f"%R~{prefix}{f.pattern}" for f in reads]
+    return [f"~{prefix}{f.pattern}" for f in writes] + [f"%R~{prefix}{f.pattern}" for f in appends + reads]
+
+
+def append_selector(component: Component, job: str | None) -> str | None:
+    """The selector that lets ``component`` XADD to its append-only families and run a script declaring them (with
+    its other write keys, as the scripts do), and nothing else; None when it appends to none."""
+    writes, appends, _ = _families(component)
+    if component is Component.ADMIN or not appends:
+        return None
+    prefix = key_prefix(job)
+    keys = [f"~{prefix}{f.pattern}" for f in writes + appends]
+    return "(" + " ".join([*keys, "resetchannels", "-@all", *(f"+{c}" for c in APPEND)]) + ")"
 
 
 def commands(component: Component) -> list[str]:
-    """The commands ``component`` may run: those of its families' types (read ones for what it reads), sorted."""
+    """The commands ``component``'s root rights allow: those of its families' types (read ones for what it only
+    reads or appends to), sorted."""
     if component is Component.ADMIN:
         return ["@all"]
-    writes, reads = _families(component)
+    writes, appends, reads = _families(component)
     out = set(CONNECTION) | set(SCRIPTING)
     for f in writes:
         out |= set(_READ[f.redis_type]) | set(_WRITE[f.redis_type]) | set(_READ_ANY) | set(_WRITE_ANY)
-    for f in reads:
+    for f in appends + reads:
         out |= set(_READ[f.redis_type]) | set(_READ_ANY)
     return sorted(out)
 
@@ -105,13 +131,14 @@ def password_hash(password: str) -> str:
 
 def user_rule(component: Component, job: str | None, password: str, hashed: str | None = None) -> list[str]:
     """The ACL SETUSER arguments after the user name: reset, on, the password's hash (``hashed``, if given, is used
-    as the hash: a placeholder for a template), keys, channels, commands."""
+    as the hash: a placeholder for a template), keys, channels, commands, and the append selector (one argument)."""
     if component is Component.ADMIN:
         rights = ["&*", "+@all"]
     else:
         rights = ["resetchannels", "-@all", *(f"+{c}" for c in commands(component))]
     secret = f"#{hashed if hashed is not None else password_hash(password)}"
-    return ["reset", "on", secret, *key_selectors(component, job), *rights]
+    selector = append_selector(component, job)
+    return ["reset", "on", secret, *key_selectors(component, job), *rights, *([selector] if selector else [])]
 
 
 def rules(job: str | None, passwords: Mapping[Component, str]) -> dict[str, list[str]]:

@@ -16,9 +16,12 @@ from enum import StrEnum
 
 
 class Component(StrEnum):
-    """A process class with its own Redis user. ``serving`` is the gateway and the reloader of a serving pod."""
+    """A process class with its own Redis user. A serving pod runs two: the internet-facing ``gateway`` (routes and
+    records what it served) and the ``reloader`` (loads versions, reports them, applies ``rollout.strategy: direct``),
+    each with its own password, so a compromised gateway holds none of the reloader's rights."""
 
-    SERVING = "serving"
+    GATEWAY = "gateway"
+    RELOADER = "reloader"
     FEEDBACK = "feedback"
     TRAINER = "trainer"
     ROLLOUT = "rollout"
@@ -28,10 +31,12 @@ class Component(StrEnum):
 
 @dataclass(frozen=True)
 class Family:
-    """One key family: its glob under the job prefix, its Redis type, and who writes and who only reads it.
+    """One key family: its glob under the job prefix, its Redis type, and who writes, who only appends to and who
+    only reads it.
 
     A stream's consumer (XREADGROUP, XACK, XAUTOCLAIM) is a writer in Redis' ACL terms: reading through a group moves
-    the group's state."""
+    the group's state. An *appender* (streams only) may XADD and read, never delete, trim, expire or overwrite the
+    key: what it added stays for the component that knows when it is consumed (the trainer for ``samples``)."""
 
     name: str
     pattern: str
@@ -39,54 +44,62 @@ class Family:
     writers: frozenset[Component]
     readers: frozenset[Component]
     module: str  # the onlinerl.dataplane module that holds its reader and writer
+    appenders: frozenset[Component] = frozenset()
 
     def may_write(self, component: Component) -> bool:
         return component is Component.ADMIN or component in self.writers
 
+    def may_append(self, component: Component) -> bool:
+        """May add entries (XADD): every writer, and the appenders."""
+        return self.may_write(component) or component in self.appenders
+
     def may_read(self, component: Component) -> bool:
-        return self.may_write(component) or component in self.readers
+        return self.may_append(component) or component in self.readers
 
 
-def _f(name: str, pattern: str, redis_type: str, writers: str, readers: str, module: str) -> Family:
-    return Family(
-        name,
-        pattern,
-        redis_type,
-        frozenset(Component(c) for c in writers.split()),
-        frozenset(Component(c) for c in readers.split()),
-        module,
-    )
+def _f(
+    name: str, pattern: str, redis_type: str, writers: str, readers: str, module: str, appenders: str = ""
+) -> Family:
+    def parse(names: str) -> frozenset[Component]:
+        return frozenset(Component(c) for c in names.split())
+
+    if appenders and redis_type != "stream":
+        raise ValueError(f"{name}: only a stream has append-only writers")
+    return Family(name, pattern, redis_type, parse(writers), parse(readers), module, parse(appenders))
 
 
-# name, pattern, type, writers, readers (besides the writers; admin may always do both), module.
-# Checked against the code (wave 3): the policy table has three writers, each of its own fields (rollout and the
-# operator's rollbackTo through decisions.apply, the operator's pinned/paused through policy.set_field, serving's
-# reloader under strategy direct through policy.raise_stable); decisions.apply also writes the verdicts, so the
+# name, pattern, type, writers, readers (besides the writers; admin may always do both), module, appenders.
+# Checked against the code (wave 3, issue 35): the policy table has three writers, each of its own fields (rollout and
+# the operator's rollbackTo through decisions.apply, the operator's pinned/paused through policy.set_field, the
+# reloader under strategy direct through policy.raise_stable); the gateway only reads it, under every strategy (it
+# routes; a compromised gateway cannot skip the gate and the canary). decisions.apply also writes the verdicts, so the
 # operator writes those too. Holds are written by `onlinerl eval` (admin) and the rollout gate's evaluation (wave 4:
 # the versions it compares were retired under it while the trainer kept publishing).
-# The reloader reads the checkpoints stream with XREAD (no group), so serving only reads it.
-# Each serving replica writes only its own ``versions:{replica}`` hash and its heartbeat in ``replicas`` (wave 4);
-# the trainer reads holds to never prune a version an evaluation uses.
+# The reloader reads the checkpoints stream with XREAD (no group), so it only reads it.
+# Each serving replica's reloader writes only its own ``versions:{replica}`` hash and its heartbeat in ``replicas``
+# (wave 4); the trainer reads holds to never prune a version an evaluation uses.
+# Appenders (issue 35): feedback adds samples but never deletes or trims them (the trainer acknowledges and deletes
+# what a durable checkpoint holds); every audit writer only appends (capped by XADD's own MAXLEN ~).
 FAMILIES: tuple[Family, ...] = (
-    _f("rollout records", "rollouts:*", "hash", "serving feedback", "", "rollouts"),
-    _f("silence due", "silence:*", "zset", "serving feedback", "", "rollouts"),
-    _f("rollout record index", "rollouts-index:*", "zset", "serving", "", "rollouts"),
-    _f("samples", "samples", "stream", "feedback trainer", "", "samples"),
-    _f("audit", "audit", "stream", "feedback trainer serving", "", "audit"),
+    _f("rollout records", "rollouts:*", "hash", "gateway feedback", "", "rollouts"),
+    _f("silence due", "silence:*", "zset", "gateway feedback", "", "rollouts"),
+    _f("rollout record index", "rollouts-index:*", "zset", "gateway", "", "rollouts"),
+    _f("samples", "samples", "stream", "trainer", "", "samples", appenders="feedback"),
+    _f("audit", "audit", "stream", "", "", "audit", appenders="feedback trainer reloader"),
     _f("idempotency", "seen:*", "string", "feedback", "", "samples"),
     _f("contribution counters", "contrib:*", "string", "feedback", "", "limits"),
     _f("user statistics", "ustats:*", "hash", "feedback", "", "limits"),
     _f("quarantine", "quarantine:*", "string", "feedback", "", "limits"),
-    _f("checkpoints", "checkpoints", "stream", "trainer", "serving", "checkpoints"),
-    _f("policy table", "policy", "hash", "rollout operator serving", "trainer", "policy"),
-    _f("replica versions", "versions:*", "hash", "serving", "trainer rollout operator", "versions"),
-    _f("replicas", "replicas", "zset", "serving", "trainer rollout operator", "versions"),
-    _f("holds", "holds", "hash", "rollout", "serving trainer", "holds"),
-    _f("arm statistics", "stats:*", "hash", "serving feedback", "rollout operator", "stats"),
+    _f("checkpoints", "checkpoints", "stream", "trainer", "reloader", "checkpoints"),
+    _f("policy table", "policy", "hash", "rollout operator reloader", "gateway trainer", "policy"),
+    _f("replica versions", "versions:*", "hash", "reloader", "trainer rollout operator", "versions"),
+    _f("replicas", "replicas", "zset", "reloader", "trainer rollout operator", "versions"),
+    _f("holds", "holds", "hash", "rollout", "reloader trainer", "holds"),
+    _f("arm statistics", "stats:*", "hash", "gateway feedback", "rollout operator", "stats"),
     _f("decisions", "decisions", "stream", "rollout operator", "", "decisions"),
-    _f("rollout verdicts", "rollout", "hash", "rollout operator", "serving", "decisions"),
+    _f("rollout verdicts", "rollout", "hash", "rollout operator", "reloader", "decisions"),
     _f("rollout controller status", "controller", "hash", "rollout", "", "decisions"),
     _f("trainer status", "trainer", "hash", "trainer", "operator", "trainer"),
     _f("trainer lease", "trainer:*", "string", "trainer", "", "trainer"),
-    _f("reloader status", "reloader", "hash", "serving", "", "versions"),
+    _f("reloader status", "reloader", "hash", "reloader", "", "versions"),
 )

@@ -32,10 +32,10 @@ from onlinerl.redisconn import redacted
 from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
 
 DEMO_TENANT = "demo"
-# Each local child's Redis user (the reloader is part of a serving pod in Kubernetes, so it is ``serving`` too).
+# Each local child's Redis user: the gateway and the reloader have their own, as in a Kubernetes serving pod.
 CHILD_USERS = {
-    "gateway": Component.SERVING,
-    "reloader": Component.SERVING,
+    "gateway": Component.GATEWAY,
+    "reloader": Component.RELOADER,
     "feedback": Component.FEEDBACK,
     "trainer": Component.TRAINER,
     "rollout": Component.ROLLOUT,

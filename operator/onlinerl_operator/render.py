@@ -381,7 +381,7 @@ def gateway_container(ctx: RenderContext) -> dict[str, Any]:
         "imagePullPolicy": ctx.cfg.images.pull_policy,
         "command": ["python", "-m", "onlinerl_serving.gateway"],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": onlinerl_env(ctx, "serving"),
+        "env": onlinerl_env(ctx, "gateway"),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}},
         "volumeMounts": _config_mounts(ctx),
         "readinessProbe": http_probe("/readyz", "http", period=5),
@@ -397,7 +397,7 @@ def reloader_container(ctx: RenderContext) -> dict[str, Any]:
         "imagePullPolicy": ctx.cfg.images.pull_policy,
         "command": ["python", "-m", "onlinerl_serving.reloader"],
         "ports": [{"name": "reloader", "containerPort": c.RELOADER_PORT, "protocol": "TCP"}],
-        "env": onlinerl_env(ctx, "serving"),
+        "env": onlinerl_env(ctx, "reloader"),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
         "volumeMounts": [
             *_config_mounts(ctx),

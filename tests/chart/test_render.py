@@ -157,7 +157,10 @@ def test_redis_is_durable_and_persistent() -> None:
     assert claim["spec"]["storageClassName"] == "fast-ssd"
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
     (secret,) = by_kind(docs, "Secret")
-    assert all(len(secret["data"][u]) > 20 for u in ("serving", "feedback", "trainer", "rollout", "operator", "admin"))
+    assert all(
+        len(secret["data"][u]) > 20
+        for u in ("gateway", "reloader", "feedback", "trainer", "rollout", "operator", "admin")
+    )
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["sh", "/etc/redis-acl/start.sh", "/etc/valkey/valkey.conf"]
 
@@ -168,7 +171,7 @@ def test_redis_existing_secret_and_no_volume() -> None:
     sts = by_kind(docs, "StatefulSet")[0]
     assert "volumeClaimTemplates" not in sts["spec"]
     env = sts["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "my-redis-password", "key": "serving"}
+    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "my-redis-password", "key": "gateway"}
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env} == {"my-redis-password"}
 
 

@@ -68,9 +68,11 @@ def test_every_family_grants_exactly_what_the_contract_says(admin: redis.Redis) 
             write_cmd, *write_args = WRITE[family.redis_type]
             can_read = dryrun(admin, component.value, read_cmd, key, *read_args) == "OK"
             can_write = dryrun(admin, component.value, write_cmd, key, *write_args) == "OK"
+            can_delete = dryrun(admin, component.value, "DEL", key) == "OK"
             widened = (component, family.name) in acl.SCRIPT_READS
             assert can_read == family.may_read(component), (component, family.name, "read")
-            assert can_write == (family.may_write(component) or widened), (component, family.name, "write")
+            assert can_write == (family.may_append(component) or widened), (component, family.name, "write")
+            assert can_delete == (family.may_write(component) or widened), (component, family.name, "delete")
             checked += 1
     assert checked == len(COMPONENTS) * len(FAMILIES)
     # admin may do everything, the contract's own rule
@@ -117,14 +119,14 @@ def test_no_component_but_admin_may_run_dangerous_or_admin_commands(admin: redis
 
 
 def test_named_refusals_with_real_clients(server: EmbeddedValkey) -> None:
-    """feedback cannot touch the policy table, serving cannot add training samples, the trainer cannot route."""
+    """feedback cannot touch the policy table, the gateway cannot add training samples, the trainer cannot route."""
     refused = [
         ("feedback", lambda r: r.hset(PREFIX + "policy", "stable", "9")),
-        ("serving", lambda r: r.xadd(PREFIX + "samples", {"data": "{}"})),
+        ("gateway", lambda r: r.xadd(PREFIX + "samples", {"data": "{}"})),
         ("trainer", lambda r: r.hset(PREFIX + "policy", "stable", "9")),
         ("rollout", lambda r: r.xadd(PREFIX + "samples", {"data": "{}"})),
         ("operator", lambda r: r.xadd(PREFIX + "checkpoints", {"version": "9", "path": "/etc"})),
-        ("serving", lambda r: r.xadd(PREFIX + "checkpoints", {"version": "9"}) and r.hset(PREFIX + "holds", "1", "9")),
+        ("reloader", lambda r: r.xadd(PREFIX + "checkpoints", {"version": "9"}) and r.hset(PREFIX + "holds", "1", "9")),
     ]
     for user, op in refused:
         client = redis.Redis.from_url(server.url_for(user))
@@ -185,7 +187,7 @@ def test_aclfile_holds_hashes_not_passwords_and_default_is_off() -> None:
     assert "user default reset off\n" in text
     assert [line.split()[1] for line in text.splitlines()] == [*(c.value for c in Component), "default"]
     with pytest.raises(ValueError, match="no password for user"):
-        acl.rules(JOB, {Component.SERVING: "x"})
+        acl.rules(JOB, {Component.GATEWAY: "x"})
     # the digest ignores passwords, follows the job
     assert acl.rules_digest(JOB) == acl.rules_digest(JOB) != acl.rules_digest("other")
 
@@ -219,9 +221,9 @@ def test_users_file_is_private_and_stable(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
     assert set(first) == set(Component) and len(set(first.values())) == len(Component)
     assert ensure_users_file(path) == first
-    path.write_text(f"serving: {first[Component.SERVING]}\n")  # an older file with fewer users: gains the rest
+    path.write_text(f"gateway: {first[Component.GATEWAY]}\nserving: old\n")  # an older file: gains the rest
     again = ensure_users_file(path)
-    assert again[Component.SERVING] == first[Component.SERVING] and set(again) == set(Component)
+    assert again[Component.GATEWAY] == first[Component.GATEWAY] and set(again) == set(Component)
 
 
 def _pings(client: redis.Redis) -> bool:

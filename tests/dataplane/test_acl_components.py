@@ -85,12 +85,12 @@ def good_eval(req: EvalRequest) -> GateInput:
 
 
 def test_rollout_controller_writes_the_policy_table_as_rollout(vk: EmbeddedValkey, admin: redis.Redis) -> None:
-    """The real controller gates v1 into the canary and promotes it, as user ``rollout``; the serving side (routing,
-    the reloader's versions, arm counters) runs as ``serving``."""
+    """The real controller gates v1 into the canary and promotes it, as user ``rollout``; the serving side runs as its
+    own two users: the reloader's versions as ``reloader``, routing and arm counters as ``gateway``."""
     admin.hset(K.policy, mapping=PolicyTable(stable=0).to_redis())
-    serving, rollout = client_of(vk, "serving"), client_of(vk, "rollout")
+    serving, rollout, reloader = client_of(vk, "gateway"), client_of(vk, "rollout"), client_of(vk, "reloader")
     try:
-        publish_loaded(serving, JOB, 1)
+        publish_loaded(reloader, JOB, 1)
         clock = {"now": 1_000_000.0}
         cfg = RolloutConfig(strategy="canary", canary_share=0.5, min_samples=200, min_dwell_seconds=60.0)
         ctl = RolloutController(rollout, JOB, cfg, good_eval, clock=lambda: clock["now"])
@@ -113,6 +113,7 @@ def test_rollout_controller_writes_the_policy_table_as_rollout(vk: EmbeddedValke
     finally:
         serving.close()
         rollout.close()
+        reloader.close()
 
 
 def test_trainer_lease_stream_read_and_ack_as_trainer(vk: EmbeddedValkey, admin: redis.Redis) -> None:
@@ -142,7 +143,7 @@ def test_trainer_lease_stream_read_and_ack_as_trainer(vk: EmbeddedValkey, admin:
 
 
 def test_feedback_service_appends_a_sample_as_feedback(vk: EmbeddedValkey, admin: redis.Redis, tmp_path: Path) -> None:
-    """Without vLLM: the gateway's own record script (``rollouts.record_command``) as ``serving``, then the real
+    """Without vLLM: the gateway's own record script (``rollouts.record_command``) as ``gateway``, then the real
     feedback service, connected as ``feedback``, joins a Continue event to it and appends one training sample."""
     from transformers import AutoTokenizer
 
@@ -154,7 +155,7 @@ def test_feedback_service_appends_a_sample_as_feedback(vk: EmbeddedValkey, admin
     tokenizer = AutoTokenizer.from_pretrained(str(bootstrap_smollm2()))
     prompt = QWEN.render("def add(a, b):\n", "\n\nprint(add(1, 2))\n")
     record = make_rollout(tokenizer, tenant="acme", prompt=prompt, completion="    return a + b")
-    serving = client_of(vk, "serving")
+    serving = client_of(vk, "gateway")
     try:
         serving.execute_command(*record_command(K, record, 1800, 1000, False))
     finally:
@@ -168,7 +169,7 @@ def test_feedback_service_appends_a_sample_as_feedback(vk: EmbeddedValkey, admin
         assert denials(admin) == []
         # A forged sample from the same service's neighbour: the gateway's user cannot add one.
         with pytest.raises(redis.exceptions.NoPermissionError):
-            client_of(vk, "serving").xadd(K.samples, {"data": fields[b"data"]})
+            client_of(vk, "gateway").xadd(K.samples, {"data": fields[b"data"]})
         assert admin.xlen(K.samples) == 1
     finally:
         fb.stop()
@@ -209,7 +210,7 @@ async def serve_and_rate(client: ContinueClient, prefix: str) -> tuple[Completio
 
 @pytest.mark.vllm
 def test_gateway_and_feedback_work_as_their_own_users(live: Live, admin: redis.Redis) -> None:
-    """The gateway writes its rollout record and arm counter as ``serving``; feedback joins the rating to it and
+    """The gateway writes its rollout record and arm counter as ``gateway``; feedback joins the rating to it and
     appends one training sample as ``feedback``; neither was refused anything (ACL LOG empty)."""
     res, code, reply = asyncio.run(serve_and_rate(live.user, "acl_gw"))
     assert code == 200 and reply.get("status") == "accepted_for_training", reply
@@ -232,7 +233,8 @@ def test_an_injected_sample_never_reaches_training(live: Live, admin: redis.Redi
         f"redis://{base}",
         f"redis://feedback:{'0' * 48}@{base}",
         f"redis://default:{'0' * 48}@{base}",
-        vk.url_for("serving"),
+        vk.url_for("gateway"),
+        vk.url_for("reloader"),
         vk.url_for("rollout"),
         vk.url_for("operator"),
     ]
@@ -260,5 +262,6 @@ def test_an_injected_sample_never_reaches_training(live: Live, admin: redis.Redi
     finally:
         trainer.close()
     log = {(_text(e["reason"]), _text(e["username"])) for e in denials(admin)}
-    assert {u for reason, u in log if reason != "auth"} == {"serving", "rollout", "operator"}  # refused keys
+    refused_keys = {u for reason, u in log if reason != "auth"}
+    assert refused_keys == {"gateway", "reloader", "rollout", "operator"}
     assert {u for reason, u in log if reason == "auth"} <= {"feedback", "default"}  # refused logins

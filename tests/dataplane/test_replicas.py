@@ -241,7 +241,7 @@ def test_a_replica_whose_engine_is_down_does_not_beat(valkey, redis_client) -> N
     assert run_async(valkey.url, scenario) == []
 
 
-# --- ACL: serving writes its own state, trainer/rollout/operator read the aggregate ----------------------------------
+# --- ACL: the reloader writes its own state, trainer/rollout/operator read the aggregate -----------------------------
 @pytest.fixture
 def acl_valkey(tmp_path: Path) -> Iterator[EmbeddedValkey]:
     server = EmbeddedValkey(tmp_path / "valkey", users=RedisUsers("acl", ensure_users_file(tmp_path / "u.yaml")))
@@ -254,10 +254,10 @@ def acl_valkey(tmp_path: Path) -> Iterator[EmbeddedValkey]:
 
 def test_each_component_touches_replica_state_within_its_rights(acl_valkey) -> None:
     keys = Keys("acl")
-    clients = {u: redis.Redis.from_url(acl_valkey.url_for(u)) for u in ("serving", "trainer", "rollout", "operator")}
+    clients = {u: redis.Redis.from_url(acl_valkey.url_for(u)) for u in ("reloader", "trainer", "rollout", "operator")}
     try:
-        versions.report(clients["serving"], keys, "r-a", [st(1), st(2)], ttl=LONG)
-        run_async(acl_valkey.url_for("serving"), lambda c: versions.save_state(c, keys, "r-a", st(3, "loading")))
+        versions.report(clients["reloader"], keys, "r-a", [st(1), st(2)], ttl=LONG)
+        run_async(acl_valkey.url_for("reloader"), lambda c: versions.save_state(c, keys, "r-a", st(3, "loading")))
         for user in ("trainer", "rollout", "operator"):
             table = versions.read(clients[user], keys)
             assert table.loaded() == {1, 2} and table.in_use() == {1, 2, 3}, user
@@ -267,9 +267,9 @@ def test_each_component_touches_replica_state_within_its_rights(acl_valkey) -> N
                 versions.report(clients[user], keys, "r-f", [st(9)])
             with pytest.raises(redis.exceptions.NoPermissionError):
                 clients[user].zadd(keys.replicas, {"r-f": 9e12})
-        with pytest.raises(redis.exceptions.NoPermissionError):  # serving: this job's keys only
-            versions.report(clients["serving"], Keys("another"), "r-a", [st(9)])
-        run_async(acl_valkey.url_for("serving"), lambda c: versions.leave_async(c, keys, "r-a"))
+        with pytest.raises(redis.exceptions.NoPermissionError):  # the reloader: this job's keys only
+            versions.report(clients["reloader"], Keys("another"), "r-a", [st(9)])
+        run_async(acl_valkey.url_for("reloader"), lambda c: versions.leave_async(c, keys, "r-a"))
         assert versions.read(clients["trainer"], keys).replicas == {}
     finally:
         for c in clients.values():

@@ -201,7 +201,7 @@ def test_each_component_does_its_part_with_its_own_acl_user(tmp_path) -> None:
         old, new = rec("acme", "A0", t0), rec("acme", "A1", t0 + 1)
 
         async def go():
-            gw, fb = AsyncRedis.from_url(srv.url_for("serving")), AsyncRedis.from_url(srv.url_for("feedback"))
+            gw, fb = AsyncRedis.from_url(srv.url_for("gateway")), AsyncRedis.from_url(srv.url_for("feedback"))
             store = RolloutStore(gw, KEYS, 1800, silence, max_records_per_tenant=1)
             try:
                 written = [await store.store(x) for x in (old, new)]

@@ -116,8 +116,8 @@ def test_every_component_gets_the_password_through_its_env_never_the_config_map(
     ctx = ctx_for("demo", monitoring_api=False)
     objs = by_kind(render_all(ctx))
     pods = {  # container -> its Redis user
-        ("gateway", "serving"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][1],
-        ("reloader", "serving"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][2],
+        ("gateway", "gateway"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][1],
+        ("reloader", "reloader"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][2],
         ("feedback", "feedback"): objs[("Deployment", "demo-feedback")]["spec"]["template"]["spec"]["containers"][0],
         ("trainer", "trainer"): objs[("Job", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0],
     }

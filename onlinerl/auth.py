@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from onlinerl.secretfile import write_secret
+
 ANONYMOUS_TENANT = "anonymous"
 ROLES = ("user", "eval", "admin")
 PIN_ROLES = frozenset({"eval", "admin"})  # may ask for a policy version explicitly
@@ -134,10 +136,7 @@ def new_api_key(prefix: str = "orl") -> str:
 
 def write_keys_file(path: Path, tenants: dict[str, list[str | dict[str, str]]]) -> Path:
     """Entries are key strings (role user) or ``{"key": ..., "role": "eval"}``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({"tenants": {t: {"keys": ks} for t, ks in tenants.items()}}))
-    path.chmod(0o600)
-    return path
+    return write_secret(path, yaml.safe_dump({"tenants": {t: {"keys": ks} for t, ks in tenants.items()}}))
 
 
 def key_with_role(path: str | Path, roles: tuple[str, ...] = ("eval", "admin")) -> tuple[str, str]:

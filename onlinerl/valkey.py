@@ -23,6 +23,7 @@ import yaml
 
 from onlinerl.dataplane import acl
 from onlinerl.dataplane.contract import Component
+from onlinerl.secretfile import write_secret
 
 DURABLE_SETTINGS = {"appendonly": "yes", "appendfsync": "always"}
 
@@ -36,10 +37,9 @@ def ensure_password_file(path: Path) -> str:
     """The password kept in ``path`` (mode 0600), created once so a restarted stack keeps its data reachable."""
     if path.is_file() and path.read_text().strip():
         return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new_password() + "\n")
-    path.chmod(0o600)
-    return path.read_text().strip()
+    password = new_password()
+    write_secret(path, password + "\n")
+    return password
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,7 @@ def ensure_users_file(path: Path) -> dict[Component, str]:
     known = {c: str(current[c.value]) for c in acl.USERS if current.get(c.value)}
     if len(known) < len(acl.USERS):
         known = {**acl.new_passwords(c for c in acl.USERS if c not in known), **known}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(mode=0o600)
-        path.chmod(0o600)
-        path.write_text(yaml.safe_dump({c.value: known[c] for c in acl.USERS}, sort_keys=False))
+        write_secret(path, yaml.safe_dump({c.value: known[c] for c in acl.USERS}, sort_keys=False))
     return {c: known[c] for c in acl.USERS}
 
 
@@ -173,15 +170,14 @@ class EmbeddedValkey:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> EmbeddedValkey:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         config = {**DURABLE_SETTINGS, "maxmemory-policy": "noeviction"} if self.durable else {}
         if self.password:
             config["requirepass"] = self.password
             self.data_dir.chmod(0o700)  # its generated valkey.conf holds the password
         if self.users is not None:
             self.data_dir.chmod(0o700)
-            self.aclfile.touch(mode=0o600)
-            self.aclfile.write_text(acl.aclfile_text(self.users.job, self.users.passwords))  # rewritten each start
+            write_secret(self.aclfile, acl.aclfile_text(self.users.job, self.users.passwords))  # rewritten each start
             config["aclfile"] = str(self.aclfile.resolve())
         self._server = _server_class()(port=self.port, data_dir=self.data_dir, persist=True, config=config)
         if self.users is not None:

@@ -29,6 +29,7 @@ from onlinerl.config import OnlineRLConfig
 from onlinerl.dataplane.contract import Component
 from onlinerl.procs import Child, StartupError, Supervisor, python_module
 from onlinerl.redisconn import redacted
+from onlinerl.secretfile import write_secret
 from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
 
 DEMO_TENANT = "demo"
@@ -428,8 +429,7 @@ def start_stack(
             write_jsonl(test, paths.data / "test.jsonl")
         stack.api_key = ensure_demo_key(paths)
         stack.cfg = effective_config(cfg, paths, redis_url, model_path)
-        paths.config.write_text(yaml.safe_dump(stack.cfg.dump(), sort_keys=False))
-        paths.config.chmod(0o600)  # the Redis URL in it carries the password
+        write_secret(paths.config, yaml.safe_dump(stack.cfg.dump(), sort_keys=False))  # its Redis URL: a password
         stack.start_serving(model_path, ports, on_step)
         if serving_only:
             return stack

@@ -32,6 +32,13 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
 
 
+def user_hash(api_key: str) -> str:
+    """Stable, non-reversible id of the user behind an authenticated key (the key itself never leaves the service).
+    The gateway routes by it and stores it in each rollout record (``RolloutRecord.user_hash``); feedback computes it
+    for the rater, so a key rates only the rollouts served to it (``feedback.rateScope``)."""
+    return hashlib.sha256(f"{api_key}\0".encode()).hexdigest()[:32]
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The token from ``Authorization: Bearer <token>`` (scheme case-insensitive), else None."""
     if not authorization:

@@ -274,6 +274,13 @@ class FeedbackConfig(_Section):
     retry_after_seconds: int = Field(2, ge=1)
     silence: SilenceConfig = Field(default_factory=SilenceConfig)
     limits: FeedbackLimitsConfig = Field(default_factory=FeedbackLimitsConfig)
+    rate_scope: Literal["user", "tenant"] = Field(
+        "user",
+        description="Whose rollouts a key may rate. user: only those served to that key (the gateway's user_hash); "
+        "an event whose text joins only another key's rollout is audited (rejected, reason not_own_rollout) and "
+        "leaves that rollout for its user. tenant: any key of the tenant may rate any rollout of the tenant (one "
+        "shared key, or a client that uploads for a whole team); the event still counts against the rating key.",
+    )
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
 

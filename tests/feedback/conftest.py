@@ -59,8 +59,15 @@ class FeedbackServer:
         self.child.stop()
 
 
-def start_feedback(tmp: Path, redis_url: str, env: dict[str, str] | None = None, **feedback: object) -> FeedbackServer:
-    keys_file = write_keys_file(tmp / "keys.yaml", KEYS)
+def start_feedback(
+    tmp: Path,
+    redis_url: str,
+    env: dict[str, str] | None = None,
+    tenants: dict[str, list] | None = None,
+    **feedback: object,
+) -> FeedbackServer:
+    """The real service; ``tenants``: its keys file (default ``KEYS``)."""
+    keys_file = write_keys_file(tmp / "keys.yaml", tenants or KEYS)
     cfg = {
         "job": JOB,
         "model": {"fimTemplate": "qwen"},

@@ -12,6 +12,7 @@ import uuid
 
 import redis
 
+from onlinerl.auth import user_hash
 from onlinerl.keys import Keys
 from onlinerl.schemas import RolloutRecord
 
@@ -36,7 +37,13 @@ def make_rollout(
     arm: str = "stable",
     eos: bool = True,
     created_at: float | None = None,
+    user_key: str | None = None,
 ) -> RolloutRecord:
+    """A record served to ``user_key`` (default: the tenant's first key in tests/feedback/conftest.py ``KEYS``, the
+    key ``headers()`` rates with), as the gateway names its user (feedback.rateScope user joins only those)."""
+    from tests.feedback.conftest import KEYS
+
+    key = user_key if user_key is not None else KEYS.get(tenant, [f"key-{tenant}"])[0]
     ids, offsets = tokenize_completion(tokenizer, completion, eos)
     return RolloutRecord(
         rollout_id=f"cmpl-{uuid.uuid4().hex[:16]}",
@@ -44,7 +51,7 @@ def make_rollout(
         arm=arm,
         policy_version=version,
         served_model="onlinerl-base" if version == 0 else f"local-v{version}",
-        user_hash="u1",
+        user_hash=user_hash(key),
         prompt=prompt,
         prompt_token_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"],
         completion=completion,

@@ -97,7 +97,9 @@ def served_and_rated(
     """One completion served to ``key`` (its rollout record, candidate arm of v1) and the user's verdict on it."""
     p = prompt(i, key)
     record_rollout(
-        r, keys, make_rollout(tokenizer, tenant=tenant, prompt=p, completion=TEXT, version=1, arm="candidate")
+        r,
+        keys,
+        make_rollout(tokenizer, tenant=tenant, prompt=p, completion=TEXT, version=1, arm="candidate", user_key=key),
     )
     body = event(p, TEXT, accepted=accepted, **extra)
     resp = http.post(srv.url + SUBMIT, json=body, headers={"Authorization": f"Bearer {key}", "X-Project-ID": tenant})

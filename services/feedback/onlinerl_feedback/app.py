@@ -42,6 +42,7 @@ from .metrics import FeedbackMetrics
 from .openapi import SUBMIT_PATH, openapi_document
 from .pipeliner import Pipeliner, RedisUnavailable
 from .prompts import configured_template, event_prompt
+from .raters import rater_of
 from .store import FeedbackStore
 from .sweeper import SilenceSweeper, silence_counter
 
@@ -224,7 +225,8 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         prompt = event_prompt(event, template)
         try:
             found = await deps.store.rollouts(tenant, prompt)
-            decision = decide(event, tenant, prompt, found.records, fb, rated=found.rated, table=table)
+            rater = rater_of(headers.get(b"authorization"), fb.rate_scope)
+            decision = decide(event, tenant, prompt, found.records, fb, rated=found.rated, table=table, rater=rater)
             result = await deps.store.append(event, tenant, prompt, decision, user)
         except (RedisUnavailable, RedisError, OSError) as exc:
             log.warning("redis unavailable: %s", exc)

@@ -41,6 +41,9 @@ CACHE_HIT = "cache_hit"
 EVAL_ARM = "eval_arm"
 GREEDY = "greedy_sampling"  # temperature 0: no log-prob of a tempered softmax describes an argmax (schemas.py)
 NO_SHOWN_TOKENS = "no_shown_tokens"
+# The text joins only a rollout served to another key of the tenant (feedback.rateScope user): audited, never trained
+# or counted, and that rollout stays unrated for the user it was served to.
+NOT_OWN_ROLLOUT = "not_own_rollout"
 # Reasons of a `rejected` event that would have contributed but whose user may not (limits.py, decided in the script).
 CONTRIBUTION_LIMIT = "contribution_limit"
 QUARANTINED = "quarantined"
@@ -156,6 +159,12 @@ def duplicate(
     )
 
 
+def served_to(record: RolloutRecord, rater: str | None) -> bool:
+    """Whether ``rater`` (the rating key's ``onlinerl.auth.user_hash``; None: any key of the tenant, ``rateScope:
+    tenant``) may rate ``record``. A record without a user (written before records named one) is the tenant's."""
+    return rater is None or not record.user_hash or record.user_hash == rater
+
+
 def _best_unrated(
     own: list[RolloutRecord], rated: dict[str, str], shown: str, tenant: str, table: TokenTable | None
 ) -> Join | None:
@@ -178,15 +187,17 @@ def decide(
     now: float | None = None,
     rated: dict[str, str] | None = None,
     table: TokenTable | None = None,
+    rater: str | None = None,
 ) -> Decision:
     """Join, reward and route one event (see docs/architecture.md, "Join rule"). ``rated``: rollout_id -> first
     outcome of the rollouts of this prompt already rated when they were read (the append re-checks atomically);
-    ``table``: the served model's token byte table the join cuts with (join.py)."""
+    ``table``: the served model's token byte table the join cuts with (join.py); ``rater``: the rating key's user
+    hash, so it joins only rollouts served to it (None: any of the tenant's, ``feedback.rateScope: tenant``)."""
     now = time.time() if now is None else now
     rated = rated or {}
     if event.cache_hit:
         return Decision(REJECTED, False, audit_entry(event, tenant, prompt, REJECTED, CACHE_HIT, now), CACHE_HIT)
-    own = [r for r in records if r.tenant == tenant]
+    own = [r for r in records if r.tenant == tenant and served_to(r, rater)]
     joined = _best_unrated(own, rated, event.completion, tenant, table)
     if joined is None and rated:
         again = find_join([r for r in own if r.rollout_id in rated], event.completion, tenant, table)
@@ -194,6 +205,10 @@ def decide(
             rid = again.record.rollout_id
             return duplicate(event, tenant, prompt, ROLLOUT_ALREADY_RATED, rated[rid], rid, now)
     if joined is None:
+        foreign = find_join([r for r in records if not served_to(r, rater)], event.completion, tenant, table)
+        if foreign is not None:  # another key's rollout: audited with it, left for its own user to rate
+            entry = audit_entry(event, tenant, prompt, REJECTED, NOT_OWN_ROLLOUT, now, foreign.record.rollout_id)
+            return Decision(REJECTED, False, entry, NOT_OWN_ROLLOUT)
         reason = "text_mismatch" if own else "no_rollout"
         trainable = [r for r in own if r.rollout_id not in rated and r.arm != EVAL and not r.sampling.greedy]
         if cfg.train_unmatched and trainable:

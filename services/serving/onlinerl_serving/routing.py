@@ -7,17 +7,12 @@ authenticated key, never a client-sent id (``X-Continue-Unique-Id``, body ``user
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from onlinerl.arms import CANDIDATE, PINNED, STABLE, Arm
+from onlinerl.auth import user_hash as user_hash  # shared with feedback (a rater's user); re-exported here
 from onlinerl.schemas import PolicyTable, adapter_name
-
-
-def user_hash(api_key: str) -> str:
-    """Stable, non-reversible user id of an authenticated key (the key itself never leaves the gateway)."""
-    return hashlib.sha256(f"{api_key}\0".encode()).hexdigest()[:32]
 
 
 def user_point(uhash: str) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from onlinerl.keys import tenant_problem
 from onlinerl.secretfile import write_secret
 
 ANONYMOUS_TENANT = "anonymous"
@@ -96,6 +97,9 @@ class KeyRing:
         entries = []
         seen: set[bytes] = set()
         for tenant, spec in tenants.items():
+            problem = tenant_problem(tenant)
+            if problem is not None:
+                raise AuthConfigError(f"keys file tenants.{tenant}: {problem}")
             keys = (spec or {}).get("keys") if isinstance(spec, dict) else None
             if not isinstance(keys, list) or not keys:
                 raise AuthConfigError(f"tenants.{tenant}.keys must be a non-empty list")

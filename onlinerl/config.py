@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from onlinerl import ports
+from onlinerl.keys import tenant_problem
 
 ENV_PREFIX = "ONLINERL__"
 CONFIG_ENV = "ONLINERL_CONFIG"
@@ -167,7 +168,7 @@ class ServingConfig(_Section):
 
 
 class RewardConfig(_Section):
-    """Reward per outcome.
+    """Reward per outcome: a named table (``preset``) and the fields you give, which always win over it.
 
     ``chars`` (default) is Cursor's table with the accept paid by what it saves the user: ``accepted`` plus
     ``acceptedPerChar`` for each shown character up to ``acceptedCharsCap`` (0.5 + 0.0125 x min(n, 40): 0.55 for
@@ -176,27 +177,36 @@ class RewardConfig(_Section):
     flat on PyYAML); paying by the characters keeps "write more of the line" worth something. Rejects (-0.25) and
     silence (0) are Cursor's, so the policy still learns when to say nothing: show only when
     P(accept) x accept reward > (1 - P(accept)) x 0.25, a bar of 31% for four characters and 20% for a line.
-    ``cursor`` is Cursor's flat +0.75 / -0.25 / 0; ``rlinf`` is the seed's 1/0; ``custom`` is the fields given over
-    the ``chars`` table (``acceptedPerChar: 0`` makes the accept flat).
+    ``cursor`` is Cursor's flat +0.75 / -0.25 / 0; ``rlinf`` is the seed's 1/0; ``custom`` is the ``chars`` table.
+    The preset fills only the fields left unset: ``{preset: cursor, rejected: -0.5}`` is Cursor's table with a
+    reject at -0.5 (a field given is never overwritten; ``acceptedPerChar: 0`` makes the ``chars`` accept flat).
     """
 
     preset: Literal["chars", "cursor", "rlinf", "custom"] = "chars"
-    accepted: float = 0.5
-    accepted_per_char: float = Field(
-        0.0125, ge=0, description="Added to an accept's reward per shown character (trimmed), up to acceptedCharsCap."
+    accepted: float | None = Field(None, description="Reward of an accept (unset: the preset's).")
+    accepted_per_char: float | None = Field(
+        None,
+        ge=0,
+        description="Added to an accept's reward per shown character (trimmed), up to acceptedCharsCap (unset: the "
+        "preset's).",
     )
-    accepted_chars_cap: int = Field(40, ge=0, description="Characters beyond this earn no more (about one line).")
-    rejected: float = -0.25
-    empty: float = 0.0
+    accepted_chars_cap: int | None = Field(
+        None, ge=0, description="Characters beyond this earn no more, about one line (unset: the preset's)."
+    )
+    rejected: float | None = Field(None, description="Reward of a reject (unset: the preset's).")
+    empty: float | None = Field(None, description="Reward of silence, a suggestion not shown (unset: the preset's).")
 
     @model_validator(mode="after")
     def _apply_preset(self) -> RewardConfig:
-        for name, value in REWARD_PRESETS.get(self.preset, {}).items():
-            setattr(self, name, value)
+        """Fill each field left unset (or null) from the preset's table; a value the configuration gave stays."""
+        table = {**REWARD_PRESETS["chars"], **REWARD_PRESETS.get(self.preset, {})}
+        for name, value in table.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         return self
 
 
-# Each named table, whole (``custom`` keeps the fields as given). ``chars`` equals the field defaults above.
+# Each named table, whole (``custom`` is ``chars``: the fields given over it).
 REWARD_PRESETS: dict[str, dict[str, float]] = {
     "chars": {"accepted": 0.5, "accepted_per_char": 0.0125, "accepted_chars_cap": 40, "rejected": -0.25, "empty": 0.0},
     "cursor": {"accepted": 0.75, "accepted_per_char": 0.0, "rejected": -0.25, "empty": 0.0},
@@ -247,6 +257,14 @@ class SilenceConfig(_Section):
     )
     sweep_interval_seconds: float = Field(1.0, gt=0, le=60, description="How often due rollouts are swept.")
     sweep_batch: int = Field(256, ge=1, le=10_000, description="Due rollouts taken per tenant per sweep.")
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: dict[str, bool]) -> dict[str, bool]:
+        problems = [p for p in map(tenant_problem, tenants) if p is not None]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return tenants
 
     def tracked(self, tenant: str) -> bool:
         """Whether ``tenant``'s unreported rollouts turn into silence samples."""

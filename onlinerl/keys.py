@@ -7,11 +7,31 @@ hash tag (``{job}``) keeps one job's keys on one slot, which the feedback Lua sc
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 SAMPLES_GROUP = "trainers"
 CHECKPOINTS_GROUP_PREFIX = "reloader"
 RATED_FIELD_PREFIX = "rated:"
+
+
+# A tenant's name is part of its Redis keys (``rollouts:{tenant}:{digest}``, ``silence:{tenant}``...), where ``:``
+# separates the parts and braces make a Cluster hash tag: a tenant named ``acme:x`` or ``a}b`` could address another
+# tenant's keys. One rule for every place a tenant is defined (the keys file, the config, the operator's spec).
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+TENANT_RULE = (
+    "1 to 63 characters of letters, digits, '_', '.' and '-', starting with a letter or digit (no ':', braces, "
+    "spaces or other characters that could run into another tenant's Redis keys)"
+)
+
+
+def tenant_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a tenant (a sentence naming it and the rule), or None when it can."""
+    if not isinstance(name, str):
+        return f"tenant name {name!r} is not a string: quote it (a tenant name is {TENANT_RULE})"
+    if TENANT_PATTERN.fullmatch(name):
+        return None
+    return f"tenant name {name!r} is not allowed: a tenant name is {TENANT_RULE}"
 
 
 def prompt_digest(prompt: str) -> str:
@@ -116,6 +136,13 @@ class Keys:
     def stats(self, version: int, arm: str) -> str:
         """Hash of counters per (policy version, arm): shown, accepted, rejected, empty, served."""
         return f"{self.prefix}stats:v{version}:{arm}"
+
+    def arm_users(self, version: int, arm: str, canary: int) -> str:
+        """Hash ``{user}:{counter} -> count``: one canary's per-user share of ``stats(version, arm)`` (``canary``: the
+        candidate version the policy table named when the rollout was routed). The rollout controller caps each
+        user's contribution and checks that no verdict rests on one user (services/rollout/onlinerl_rollout/
+        per_user.py). Under ``stats:`` because the same components write and read it."""
+        return f"{self.prefix}stats:v{version}:{arm}:users:c{canary}"
 
     @property
     def decisions(self) -> str:

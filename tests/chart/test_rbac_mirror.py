@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import yaml
 
 from tests.chart.helm import ROOT, by_kind, render
@@ -20,12 +19,6 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
     }
 
 
-@pytest.mark.xfail(
-    not OPERATOR_RBAC.is_file(),
-    strict=False,
-    reason="operator/rbac.yaml (issue 7) does not exist yet; the chart's rules are derived from "
-    "operator/onlinerl_operator/render.py's kinds",
-)
 def test_chart_rbac_equals_operator_rbac() -> None:
     docs = [d for d in yaml.safe_load_all(OPERATOR_RBAC.read_text()) if d]
     theirs = grants([r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]])

@@ -158,6 +158,16 @@ class CheckpointManifest(_Record):
     sample_count: int = 0
     metrics: dict[str, float] = Field(default_factory=dict)
     files: dict[str, str] = Field(default_factory=dict, description="Relative path -> sha256 hex.")
+    rebased_from: int | None = Field(
+        None,
+        description="Set on the first version trained after a manual rollback: the trainer's version whose weights "
+        "it dropped (parent_version is then the rollback's target, whose weights it trained from).",
+    )
+    rollback_at: float | None = Field(
+        None,
+        description="The manual rollback (policy rollback_at) this version's lineage follows; copied from the parent, "
+        "so a trainer resuming this version knows it has rebased onto that rollback already.",
+    )
 
 
 class PolicyTable(BaseModel):
@@ -171,8 +181,17 @@ class PolicyTable(BaseModel):
     hold: int | None = Field(
         None,
         description="stable a human fixed (rollback, pin): under strategy direct the reloader never raises stable "
-        "while set; the next manual decision (resume) clears it",
+        "while set, and the rollout controller gates, canaries and promotes nothing (canary, bluegreen); the next "
+        "manual decision (resume) clears it",
     )
+    hold_by: str = Field("", description="who set the hold: the actor of that decision (cli:<user>, operator)")
+    hold_at: float = Field(0.0, description="when the hold was set (unix s); 0 without a hold")
+    rollback_to: int | None = Field(
+        None,
+        description="the last manual rollback's target: the trainer rebases onto its weights before it trains "
+        "again (kept after resume; the next rollback replaces it)",
+    )
+    rollback_at: float = Field(0.0, description="when that rollback was made (unix s): the trainer's rebase marker")
     preview: int | None = Field(
         None,
         description="full-weight mode: the version the eval gate previews (vLLM holds it for eval requests only, "
@@ -193,6 +212,10 @@ class PolicyTable(BaseModel):
             "pinned": "" if self.pinned is None else str(self.pinned),
             "paused": "1" if self.paused else "0",
             "hold": "" if self.hold is None else str(self.hold),
+            "hold_by": self.hold_by,
+            "hold_at": repr(self.hold_at),
+            "rollback_to": "" if self.rollback_to is None else str(self.rollback_to),
+            "rollback_at": repr(self.rollback_at),
             "preview": "" if self.preview is None else str(self.preview),
             "preview_until": repr(self.preview_until),
             "updated_at": repr(self.updated_at or time.time()),
@@ -215,6 +238,10 @@ class PolicyTable(BaseModel):
             pinned=opt_int("pinned"),
             paused=d.get("paused") == "1",
             hold=opt_int("hold"),
+            hold_by=d.get("hold_by") or "",
+            hold_at=float(d.get("hold_at") or 0.0),
+            rollback_to=opt_int("rollback_to"),
+            rollback_at=float(d.get("rollback_at") or 0.0),
             preview=opt_int("preview"),
             preview_until=float(d.get("preview_until") or 0.0),
             updated_at=float(d.get("updated_at") or 0.0),
@@ -235,6 +262,16 @@ class PolicyVersionState(_Record):
     failures: int = 0
     error: str = ""
     updated_at: float = Field(default_factory=time.time)
+    rollback_at: float = Field(
+        0.0,
+        description="the manual rollback (policy rollback_at) the version's lineage follows, from its announcement: "
+        "a version whose marker is not the table's was trained on weights a rollback dropped, and is never gated "
+        "or made stable",
+    )
+
+    def follows(self, table: PolicyTable) -> bool:
+        """Trained on the lineage the last manual rollback set (any version, when there was none)."""
+        return table.rollback_to is None or self.rollback_at == table.rollback_at
 
 
 def adapter_name(job: str, version: int) -> str:

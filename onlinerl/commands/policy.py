@@ -15,7 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         func=_show
     )
     pin = psub.add_parser(
-        "pin", help="serve every user version N (0 = base model); holds stable where it is until resume"
+        "pin",
+        help="serve every user version N (0 = base model); holds stable where it is until resume (no gate, canary, "
+        "promotion or direct raise meanwhile)",
     )
     pin.add_argument("version", type=int)
     pin.add_argument("--force", action="store_true", help="pin even if serving has not loaded N")
@@ -23,8 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     psub.add_parser("unpin", help="back to stable/candidate routing").set_defaults(func=_unpin)
     rb = psub.add_parser(
         "rollback",
-        help="end the canary, or make N (default: the previous stable) stable; it sticks (no automatic raise under "
-        "strategy direct, across reloads and restarts) until resume",
+        help="end the canary, or make N (default: the previous stable) stable. It sticks until resume under every "
+        "strategy: no version is gated, canaried, promoted or raised (direct), across reloads and restarts; "
+        "the trainer rebases onto N's weights before it trains again (the next version's manifest: parent_version "
+        "N, rebased_from the version it dropped)",
     )
     rb.add_argument("version", type=int, nargs="?", default=None)
     rb.add_argument("--force", action="store_true", help="roll back even if serving has not loaded N")
@@ -33,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         func=_pause
     )
     psub.add_parser(
-        "resume", help="allow promotions again, and release the hold of the last rollback/pin"
+        "resume",
+        help="allow promotions again, and release the hold of the last rollback/pin: the newest version is gated "
+        "next (the trainer's rebase stays)",
     ).set_defaults(func=_resume)
 
 
@@ -43,6 +49,16 @@ def _store(args: argparse.Namespace):
 
     cfg = load_config(args.config)
     return connect(args.redis_url if args.redis_url is not None else cfg.redis.url, args.job or cfg.job)
+
+
+def _actor() -> str:
+    """Who acts, as recorded in the decision and the hold (`onlinerl status` shows it): ``cli:<login name>``."""
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no login name (a container without a passwd entry)
+        return "cli"
 
 
 def _print_decision(rec) -> int:
@@ -60,28 +76,28 @@ def _show(args: argparse.Namespace) -> int:
 def _pin(args: argparse.Namespace) -> int:
     from onlinerl.rollout.manual import pin
 
-    return _print_decision(pin(_store(args), args.version, force=args.force))
+    return _print_decision(pin(_store(args), args.version, force=args.force, actor=_actor()))
 
 
 def _unpin(args: argparse.Namespace) -> int:
     from onlinerl.rollout.manual import pin
 
-    return _print_decision(pin(_store(args), None))
+    return _print_decision(pin(_store(args), None, actor=_actor()))
 
 
 def _rollback(args: argparse.Namespace) -> int:
     from onlinerl.rollout.manual import rollback
 
-    return _print_decision(rollback(_store(args), args.version, force=args.force))
+    return _print_decision(rollback(_store(args), args.version, force=args.force, actor=_actor()))
 
 
 def _pause(args: argparse.Namespace) -> int:
     from onlinerl.rollout.manual import set_paused
 
-    return _print_decision(set_paused(_store(args), True))
+    return _print_decision(set_paused(_store(args), True, actor=_actor()))
 
 
 def _resume(args: argparse.Namespace) -> int:
     from onlinerl.rollout.manual import set_paused
 
-    return _print_decision(set_paused(_store(args), False))
+    return _print_decision(set_paused(_store(args), False, actor=_actor()))

@@ -115,6 +115,7 @@ def aggregate(replicas: Mapping[str, Mapping[int, PolicyVersionState]]) -> dict[
             failures=max(s.failures for _, s in known),
             error="; ".join(errors)[:2000],
             updated_at=max(s.updated_at for _, s in known),
+            rollback_at=first.rollback_at,
         )
     return out
 

@@ -126,6 +126,20 @@ def render_rollout(s: dict) -> list[str]:
     return lines
 
 
+def hold_line(p: PolicyTable) -> str:
+    """Who holds the table, since when, and what the hold stops (a rollback or pin, until `onlinerl policy resume`)."""
+    by = p.hold_by or "unknown (set before holds were attributed)"
+    when = (
+        f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(p.hold_at))} ({_ago(str(p.hold_at))})"
+        if p.hold_at
+        else ""
+    )
+    return (
+        f"held: stable v{p.hold} held by {by}{when}: no version is gated, canaried or made stable until "
+        "`onlinerl policy resume`"
+    )
+
+
 def _ago(ts: str | None) -> str:
     try:
         return f"{time.time() - float(ts):.0f}s ago"
@@ -140,6 +154,8 @@ def render(s: dict) -> str:
         f"  canary share {p.canary_share:.2f}  pinned {p.pinned if p.pinned is not None else '-'}"
         f"  paused {'yes' if p.paused else 'no'}"
     ]
+    if p.hold is not None:
+        lines.append(hold_line(p))
     if (previewed := p.previewing(time.time())) is not None:
         lines.append(
             f"previewing v{previewed}: vLLM holds it for the eval gate only, user requests wait "
@@ -159,6 +175,8 @@ def render(s: dict) -> str:
         f"trainer: state {t.get('state', '?')}  step {t.get('step', '-')}  version v{t.get('version', '-')}"
         f"  samples trained {t.get('samples_trained', '-')}  last checkpoint {_ago(t.get('last_checkpoint_at'))}"
     )
+    if t.get("rebase"):
+        lines.append(f"trainer rebase: {t['rebase']}")
     rl = s["reloader"]
     lines.append(
         f"last reload: v{rl.get('last_version', '-')} {_ago(rl.get('last_reload_at'))}"

@@ -3,10 +3,13 @@
 Each action is one atomic ``RolloutStore.apply`` checked against the table it read (retried on a concurrent change),
 and is recorded in the ``decisions`` stream with its ``actor``, like every controller decision.
 
-A manual decision sticks until the next one: rollback and pin write ``hold`` (the stable a human fixed) in the same
-transaction, and under ``rollout.strategy: direct`` the reloader never raises stable while it is set -- not on the next
-checkpoint, not after a reloader or vLLM restart. ``resume`` clears it. Versions rolled back are marked
-``rolled_back`` and are never made stable automatically again, hold or not.
+A manual decision sticks until the next one: rollback and pin write ``hold`` (the stable a human fixed), with who
+(``hold_by``) and when (``hold_at``), in the same transaction. While it is set nothing automatic moves stable under any
+strategy: under ``direct`` the reloader never raises it (not on the next checkpoint, not after a reloader or vLLM
+restart), and under ``canary``/``bluegreen`` the rollout controller gates no new version, starts no canary and promotes
+nothing. ``resume`` clears it. Versions rolled back are marked ``rolled_back`` and are never made stable automatically
+again, hold or not. A rollback also records its target and time (``rollback_to``, ``rollback_at``): the trainer rebases
+onto the target's weights before it trains again, so the next version does not descend from the rolled-back ones.
 """
 
 from __future__ import annotations
@@ -61,19 +64,24 @@ def pin(store: RolloutStore, version: int | None, *, actor: str = "cli", force: 
             return DecisionRecord(decision="unpin", stable=table.stable, reason=reason, actor=actor), {
                 "policy": {"pinned": None}
             }
-        hold = table.stable if table.hold is None else table.hold
+        held = {} if table.hold is not None else {"hold": table.stable, **_held_by(actor, time.time())}
         return (
             DecisionRecord(
                 decision="pin", version=version, stable=table.stable, reason=f"pinned to v{version}", actor=actor
             ),
-            {"policy": {"pinned": version, "hold": hold}},
+            {"policy": {"pinned": version, **held}},
         )
 
     return _retry(store, act)
 
 
 def _held_note(hold: int | None) -> str:
-    return "" if hold is None else f"; stable held at v{hold} (strategy direct) until `onlinerl policy resume`"
+    return "" if hold is None else f"; stable held at v{hold} (no gate, canary or raise) until `onlinerl policy resume`"
+
+
+def _held_by(actor: str, at: float) -> dict[str, Any]:
+    """The hold's provenance, written with the hold: `onlinerl status` says who set it and when."""
+    return {"hold_by": actor, "hold_at": repr(at)}
 
 
 def set_paused(store: RolloutStore, paused: bool, *, actor: str = "cli") -> DecisionRecord:
@@ -86,7 +94,8 @@ def set_paused(store: RolloutStore, paused: bool, *, actor: str = "cli") -> Deci
             reason = "promotion paused"
         else:
             reason = "promotion resumed" + ("" if table.hold is None else f" (stable no longer held at v{table.hold})")
-        updates: dict[str, Any] = {"paused": paused} if paused else {"paused": False, "hold": None}
+        release = {"hold": None, "hold_by": "", "hold_at": "0.0"}
+        updates: dict[str, Any] = {"paused": paused} if paused else {"paused": False, **release}
         return (
             DecisionRecord(decision=kind, version=table.candidate, stable=table.stable, actor=actor, reason=reason),
             {"policy": updates},
@@ -141,7 +150,15 @@ def rollback(
             + _held_note(target),
             figures={"rolled_back": victims, "candidate": table.candidate},
         )
-        policy = {"stable": target, "candidate": None, "canary_share": 0.0, "hold": target}
+        policy = {
+            "stable": target,
+            "candidate": None,
+            "canary_share": 0.0,
+            "hold": target,
+            **_held_by(actor, now),
+            "rollback_to": target,
+            "rollback_at": repr(now),
+        }
         return rec, {"policy": policy, "states": states}
 
     return _retry(store, act)

@@ -25,7 +25,10 @@ the weights already loaded; fail -> stable swapped back. A preview that is not i
 ``rollout.gate.previewTimeoutSeconds``, counts as an evaluator error (retried, then ``gate_fail`` with the reason).
 
 ``pinned`` stops all verdicts (traffic is pinned, the canary learns nothing). ``paused`` stops promotion and new
-candidates, but not rollbacks: pausing must never keep a worse policy in front of users.
+candidates, but not rollbacks: pausing must never keep a worse policy in front of users. ``hold`` (a human's rollback or
+pin, until ``onlinerl policy resume``) does what ``paused`` does: no version is gated, no canary or blue/green switch
+starts, nothing is promoted (a canary the hold found running can still be rolled back). A human's rollback is never
+undone by the next gate.
 
 Every decision goes to the ``decisions`` stream, the Prometheus counter, and each ``on_decision`` callback (the
 operator plugs Kubernetes Events and status conditions in here, or tails the stream with ``decisions_after``).
@@ -151,15 +154,21 @@ class RolloutController:
         self.metrics.no_canary()
         judged = self.store.states()
         known = self.store.versions()
-        fresh = sorted(
+        unjudged = sorted(
             v for v, s in known.items() if s.state in self._gateable and v > table.stable and v not in judged
         )
+        # trained on weights a manual rollback dropped (before the trainer rebased): never gated, hold or not
+        out = [rec for v in unjudged if not known[v].follows(table) and (rec := self._drop_off_lineage(v, table))]
+        fresh = [v for v in unjudged if known[v].follows(table)]
         if not fresh:
-            return []
+            return out
+        if table.hold is not None:
+            self.doing = f"{_hold_text(table)}: v{fresh[-1]} waits for `onlinerl policy resume` to be gated"
+            return out
         if table.paused:
             self.doing = f"paused: v{fresh[-1]} waits for `onlinerl policy resume` to be gated"
-            return []
-        out = [rec for old in fresh[:-1] if (rec := self._supersede(old, fresh[-1], table.stable))]
+            return out
+        out += [rec for old in fresh[:-1] if (rec := self._supersede(old, fresh[-1], table.stable))]
         newest = fresh[-1]
         share = 1.0 if self.cfg.strategy == "bluegreen" else self.cfg.canary_share
         if share >= 1.0 and not self._baseline_ready(newest, table.stable):
@@ -282,9 +291,17 @@ class RolloutController:
 
         return Preview(self.r, self.keys, version, self.cfg.gate.preview_timeout_seconds, state)
 
-    def _supersede(self, version: int, by: int, stable: int) -> DecisionRecord | None:
+    def _drop_off_lineage(self, version: int, table: PolicyTable) -> DecisionRecord | None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.rollback_at))
+        reason = (
+            f"trained on weights the manual rollback to v{table.rollback_to} at {when} dropped: never gated "
+            "(the trainer's next versions descend from the rollback's target)"
+        )
+        return self._supersede(version, None, table.stable, reason)
+
+    def _supersede(self, version: int, by: int | None, stable: int, reason: str = "") -> DecisionRecord | None:
         now = self.clock()
-        reason = f"v{by} is newer: only the newest loaded version is gated"
+        reason = reason or f"v{by} is newer: only the newest loaded version is gated"
         rec = DecisionRecord(decision="supersede", version=version, stable=stable, reason=reason, at=now)
         state = RolloutState(version=version, state="superseded", decided_at=now, stable_version=stable, reason=reason)
         if self.store.apply(rec, states=[state]):
@@ -321,11 +338,12 @@ class RolloutController:
             return []
         if not v.evaluated:
             return self._maybe_supersede_inconclusive(table, state)
-        if v.action == "promote" and table.paused:
+        if v.action == "promote" and (table.paused or table.hold is not None):
             if (cand, v.look) in self._paused_noted:
                 return []
             self._paused_noted.add((cand, v.look))
-            rec = self._record(v, cand, stable, now, "hold", f"paused: would promote ({v.reason})")
+            why = "paused" if table.hold is None else _hold_text(table)
+            rec = self._record(v, cand, stable, now, "hold", f"{why}: would promote ({v.reason})")
             if not self.store.apply(rec, expect_stable=stable, expect_candidate=cand):
                 return []
             self._emit(rec)
@@ -356,7 +374,7 @@ class RolloutController:
 
     def _maybe_supersede_inconclusive(self, table: PolicyTable, state: RolloutState) -> list[DecisionRecord]:
         """An inconclusive candidate (equal within noise after ``max_looks``) yields to a newer loaded version."""
-        if table.paused or not self.rules.inconclusive(state.last_look):
+        if table.paused or table.hold is not None or not self.rules.inconclusive(state.last_look):
             return []
         judged = self.store.states()
         newer = [
@@ -413,6 +431,12 @@ class RolloutController:
                 hook(rec)
             except Exception:
                 log.exception("on_decision hook failed for %s", rec.decision)
+
+
+def _hold_text(table: PolicyTable) -> str:
+    """``held at v5 by cli:ana``: the manual decision that holds the table (its time is in `onlinerl status`)."""
+    by = f" by {table.hold_by}" if table.hold_by else ""
+    return f"held at v{table.hold}{by}"
 
 
 def _passed_without_eval() -> GateResult:

@@ -47,12 +47,20 @@ class Announcement:
     path: str
     kind: str
     manifest_sha256: str
+    rollback_at: float = 0.0  # the manual rollback the version's lineage follows (0.0: none, or an older trainer)
 
     @classmethod
     def from_entry(cls, entry_id: Any, fields: dict[Any, Any]) -> Announcement:
         f = {_s(k): _s(v) for k, v in fields.items()}
         try:
-            return cls(_s(entry_id), int(f["version"]), f["path"], f.get("kind", "lora"), f.get("manifest_sha256", ""))
+            return cls(
+                _s(entry_id),
+                int(f["version"]),
+                f["path"],
+                f.get("kind", "lora"),
+                f.get("manifest_sha256", ""),
+                float(f.get("rollback_at") or 0.0),
+            )
         except (KeyError, ValueError) as exc:
             raise CheckpointError(f"malformed checkpoints entry {_s(entry_id)}: {f} ({exc})", MALFORMED) from None
 

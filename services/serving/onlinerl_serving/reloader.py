@@ -517,6 +517,7 @@ class Reloader:
             served_model=self.model_name(v),
             failures=s.failures,
             error=s.error[:2000],
+            rollback_at=s.ann.rollback_at,
         )
         await versions.save_state(self.redis, self.keys, self.replica, record)
 

@@ -49,8 +49,11 @@ def render_manifest(
     metrics: dict[str, float],
     files: dict[str, str],
     created_at: float | None = None,
+    rebased_from: int | None = None,
+    rollback_at: float | None = None,
 ) -> CheckpointManifest:
-    """Pure: the manifest of one version. ``sample_ids`` are the stream ids trained since the parent version."""
+    """Pure: the manifest of one version. ``sample_ids`` are the stream ids trained since the parent version;
+    ``rebased_from`` / ``rollback_at``: the lineage after a manual rollback (CheckpointManifest)."""
     ordered = sorted(set(sample_ids), key=stream_id_key)
     return CheckpointManifest(
         job=job,
@@ -65,6 +68,8 @@ def render_manifest(
         sample_count=len(ordered),
         metrics={k: float(v) for k, v in metrics.items()},
         files=files,
+        rebased_from=rebased_from,
+        rollback_at=rollback_at,
     )
 
 

@@ -220,6 +220,18 @@ class SampleFeed:
         self.trained_ids.update(ids)
         return ids
 
+    def rebased(self, trained_by_version: dict[int, list[str]]) -> int:
+        """The weights went back to an older version (a manual rollback): what was trained since the last publish
+        is not in them any more, so those entries (still pending at our consumer) are trained again, and "already
+        trained" means the new lineage's manifests. Returns how many entries were queued again."""
+        untrained, self.open_ids = set(self.open_ids), []
+        self.trained_by_version = trained_by_version
+        self.trained_ids = {sid for ids in trained_by_version.values() for sid in ids}
+        queued = {e.sample_id for e in self.replay}
+        again = [e for e in self.stream.own_pending() if e.sample_id in untrained and e.sample_id not in queued]
+        self.replay.extend(again)
+        return len(again)
+
     def forget(self, pruned: list[int]) -> None:
         """The set holds the ids of kept manifests, as a restart would rebuild it."""
         for v in pruned:

@@ -119,6 +119,21 @@ class Learner:
         self.last_command = time.monotonic()
         self.entropy_window = EntropyWindow(tcfg.algorithm.entropy_window_tokens)
 
+    def rebase(self, weights_from: Path | None) -> None:
+        """A human rolled back: from now on train from ``weights_from`` (a checkpoint folder; None: the base model)
+        with a fresh optimizer, on every rank. The model is built again exactly as at a start from that version (the
+        old model and optimizer are dropped first, so a GPU never holds both)."""
+        self._command("rebase", None if weights_from is None else str(weights_from))
+        self._rebuild(weights_from)
+
+    def _rebuild(self, weights_from: Path | None) -> None:
+        del self.engine
+        module = load_policy(self.model_path, self.tcfg)
+        if weights_from is not None:
+            load_weights_from_checkpoint(module, Path(weights_from))
+        self.engine = build_engine(module, self.tcfg)
+        self.entropy_window = EntropyWindow(self.tcfg.algorithm.entropy_window_tokens)
+
     def resume(self, state_dir: Path, meta: dict) -> None:
         """Optimizer state (this rank's partition) and the RNG of the version resumed from, on every rank."""
         self.engine.load_state(state_dir)
@@ -205,5 +220,7 @@ class Learner:
             elif name == "save_state":
                 self.engine.save_state(Path(payload))
                 self.ranks.barrier()
+            elif name == "rebase":
+                self._rebuild(None if payload is None else Path(payload))
             elif name == "stop":
                 return

@@ -108,8 +108,11 @@ class Publisher:
         module: torch.nn.Module,
         save_state: Callable[[Path], None],
         meta: dict,
+        rebased_from: int | None = None,
+        rollback_at: float | None = None,
     ) -> int:
-        """v{N+1} (weights + manifest) and its resume state on disk. Nothing is announced or acknowledged yet."""
+        """v{N+1} (weights + manifest) and its resume state on disk. Nothing is announced or acknowledged yet.
+        ``rebased_from``, ``rollback_at``: the manifest's lineage after a manual rollback (Trainer.follow_rollback)."""
         self.lease.check()  # a trainer that already lost the lease writes nothing
         version = max(parent, self.store.latest(), *self.corrupt_versions) + 1  # a refused number stays used
 
@@ -124,6 +127,8 @@ class Publisher:
                 sample_ids=ids,
                 metrics=stats,
                 files=files,
+                rebased_from=rebased_from,
+                rollback_at=rollback_at,
             )
 
         self.store.publish(version, lambda tmp: save_weights(module, weights, tmp), manifest_for)
@@ -165,6 +170,8 @@ class Publisher:
         log.error("v%d was refused (fenced out): removed its folder, publishing nothing", version)
 
     def announce(self, version: int) -> None:
+        """XADD the version (fenced). ``rollback_at``: the manual rollback its lineage follows (0.0: none), so that
+        serving and the rollout never make stable or gate a version trained on weights a rollback dropped."""
         self.lease.announce(
             {
                 "version": str(version),
@@ -172,6 +179,7 @@ class Publisher:
                 "kind": self.tcfg.weights,
                 "manifest_sha256": self.store.manifest_sha256(version),
                 "created_at": repr(time.time()),
+                "rollback_at": repr(self.store.manifest(version).rollback_at or 0.0),
             }
         )
 

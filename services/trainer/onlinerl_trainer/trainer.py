@@ -14,6 +14,13 @@ failover that lost the group's last-delivered id and our XDELs) is acknowledged 
 Resume loads the newest version whose files match its manifest's sha256s; newer corrupt ones are refused loudly
 (ERROR log, ``onlinerl_trainer_corrupt_checkpoints_total``, ``corrupt_versions`` in the status hash), their numbers
 are never reused, and their sample ids do not count as trained (their weights are not the ones resumed from).
+
+A human's rollback (``onlinerl policy rollback``: the policy table's ``rollback_to``/``rollback_at``) is followed
+before anything is trained again (``follow_rollback``): the weights go back to the target's (a fresh optimizer, as a
+start from that version), what was trained since the last publish is trained again on them, and the next version's
+manifest says so (``parent_version`` = the target, ``rebased_from`` = the version dropped, ``rollback_at`` = the
+rollback, carried down the lineage so a restart does not rebase twice). Training from the rolled-back weights would
+hand the next gate a version built on what the human refused.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from onlinerl.config import OnlineRLConfig
 from onlinerl.dataplane import policy
 from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyTable
 from onlinerl_trainer.batching import Batch, collate
 from onlinerl_trainer.checkpoint import CheckpointStore
 from onlinerl_trainer.engine import Engine
@@ -104,6 +112,9 @@ class Trainer:
         self.samples_trained = 0
         self.steps_since_publish = 0
         self.last_stats: dict[str, float] = {}
+        self.rollback_at: float | None = None  # the manual rollback the current weights follow (manifest lineage)
+        self.rebased_from: int | None = None  # set by a rebase, written into the next manifest, then cleared
+        self.rebase_problem: str | None = None  # a rollback target that cannot be loaded: nothing is trained
         self._tensorboard = self._open_tensorboard()
         if latest:
             self._resume(latest)
@@ -141,7 +152,9 @@ class Trainer:
     # --- start-up ---------------------------------------------------------------------------------------------------
     def _resume(self, latest: int) -> None:
         self.version = latest
-        self.step = self.store.manifest(latest).step
+        manifest = self.store.manifest(latest)
+        self.step = manifest.step
+        self.rollback_at = manifest.rollback_at
         state = self.store.state_for(latest)
         if state is None:
             log.warning("v%d has no saved optimizer state: resuming its weights with a fresh optimizer", latest)
@@ -188,6 +201,9 @@ class Trainer:
                 entries = self.collect(stop)
                 if entries:
                     self.train_on(entries)
+                if self.rebase_problem is not None:
+                    stop.wait(1.0)  # the rollback's target cannot be loaded: wait for a human, untrained
+                    continue
                 if self.should_publish():
                     self.publish()
                 backoff = 0.5
@@ -205,17 +221,21 @@ class Trainer:
         """Up to ``batchSize`` entries (see SampleFeed.collect); returns early when a publish is due."""
         return self.feed.collect(stop, poll_ms, close_early=self.should_publish)
 
-    def oldest_served(self) -> int:
+    def oldest_served(self, table: PolicyTable | None = None) -> int:
         """The oldest version serving gives users now: the policy table's stable, or an older pinned or candidate
         version (staleness is counted against it, so a trainer that outruns the rollout keeps learning from every
         version users are served)."""
-        table = policy.read(self.client, self.keys)
+        table = table or policy.read(self.client, self.keys)
         served = [table.stable, *(v for v in (table.candidate, table.pinned) if v is not None)]
         return min(served)
 
     def train_on(self, entries: list[Entry]) -> dict[str, float] | None:
         """One PPO update on these entries. Returns its statistics, or None when nothing was trainable/skipped."""
-        admitted = self.feed.admit(entries, self.version, self.oldest_served())
+        table = policy.read(self.client, self.keys)
+        if not self.follow_rollback(table):
+            self.feed.replay.extendleft(reversed(entries))  # untrained, unacknowledged: trained once it can rebase
+            return None
+        admitted = self.feed.admit(entries, self.version, self.oldest_served(table))
         samples, adv = admitted.samples, admitted.advantages
         if not samples:
             return None
@@ -250,6 +270,41 @@ class Trainer:
         self._record(stats, batch.num_tokens, elapsed)
         self._status("waiting")
         return stats
+
+    # --- manual rollbacks -------------------------------------------------------------------------------------------
+    def follow_rollback(self, table: PolicyTable) -> bool:
+        """Rebase onto the last manual rollback's target if these weights do not follow it yet. False while the
+        target cannot be loaded (nothing may be trained meanwhile: the status hash's ``rebase`` says why)."""
+        if table.rollback_to is None or table.rollback_at == self.rollback_at:
+            return True
+        target, dropped = table.rollback_to, self.version
+        if target != dropped:
+            problems = self.store.problems(target) if target else []
+            if problems:
+                why = f"cannot rebase onto v{target} (the rollback's target): {'; '.join(problems)}; not training"
+                if why != self.rebase_problem:
+                    log.error("%s", why)
+                    trainer_status.write_status(self.client, self.keys, {"rebase": why})
+                self.rebase_problem = why
+                return False
+            self.learner.rebase(self.store.path(target) if target else None)
+            again = self.feed.rebased(self.publisher.kept_sample_ids(target))
+            self.version, self.rebased_from, self.steps_since_publish = target, dropped, 0
+            log.warning(
+                "manual rollback to v%d: training from v%d's weights (v%d's dropped; %d entries trained since the "
+                "last publish are trained again)",
+                target,
+                target,
+                dropped,
+                again,
+            )
+        self.rollback_at, self.rebase_problem = table.rollback_at, None
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.rollback_at))
+        note = f"on v{target} since the rollback at {when}"
+        note += f" (v{dropped}'s weights dropped)" if target != dropped else ""
+        trainer_status.write_status(self.client, self.keys, {"rebase": note, "version": str(self.version)})
+        self.metrics.version.set(self.version)
+        return True
 
     def _update(self, batch: Batch, advantages: torch.Tensor) -> UpdateResult:
         return self.learner.update_batch(batch, advantages)
@@ -304,7 +359,10 @@ class Trainer:
                 "baseline": self.feed.baseline.state_dict(),
                 "rng": random.randrange(2**31),
             },
+            rebased_from=self.rebased_from,
+            rollback_at=self.rollback_at,
         )
+        self.rebased_from = None
         self.version = version
         self.feed.sealed(version)
         self.steps_since_publish = 0

@@ -178,16 +178,18 @@ class Reloader:
         return await holds.read_async(self.redis, self.keys)
 
     def wanted(self, table: PolicyTable, holds: set[int] = frozenset()) -> list[int]:
-        """Versions vLLM should hold, oldest first (so the newest is loaded, and made stable, last): the newest
-        ``keepVersions``, the routed ones, and those an evaluation holds."""
+        """Versions vLLM should hold, in load order: the ones users are routed to or an evaluation holds first
+        (stable, candidate, pinned, holds: after a restart users get them, not a judged older version, as soon as
+        possible), then the rest of the newest ``keepVersions``; each group oldest first (so under ``direct`` the
+        newest is loaded, and made stable, last)."""
         good = sorted(v for v, s in self.versions.items() if s.state != "failed")
-        keep = set(good[-self.cfg.serving.keep_versions :])
-        keep |= {
+        routed = {
             v
             for v in (table.stable, table.candidate, table.pinned, *holds)
             if v and v in self.versions and self.versions[v].state != "failed"
         }
-        return sorted(keep)
+        recent = set(good[-self.cfg.serving.keep_versions :]) - routed
+        return sorted(routed) + sorted(recent)
 
     # --- reconcile ------------------------------------------------------------------------------------------------
     async def tick(self) -> None:

@@ -49,7 +49,18 @@ def newest_loaded_at_most(version: int, loaded: Iterable[int]) -> int:
 
 
 def route(table: PolicyTable, uhash: str, loaded: Iterable[int]) -> Route:
+    """The user's arm and the version this replica serves it.
+
+    The candidate arm serves exactly the candidate the gate passed, or, where this replica has not loaded it (still
+    loading after a restart, or it failed here), stable's version: never "the newest loaded below the candidate",
+    which is a version the rollout judged and refused (``gate_failed``, ``superseded``, ``rolled_back``: the reloader
+    keeps recent ones loaded). The arm stays ``candidate`` and the record carries the version served, so that
+    feedback is counted under ``stats:v{stable}:candidate``: in neither arm of the canary. Stable and pinned fall
+    back to the newest loaded version at or below theirs (the reloader loads the routed versions first)."""
+    loaded = loaded if isinstance(loaded, set | frozenset) else set(loaded)
     arm, wanted = choose(table, uhash)
+    if arm == CANDIDATE and wanted not in loaded:
+        return Route(arm, newest_loaded_at_most(table.stable, loaded), wanted)
     return Route(arm, newest_loaded_at_most(wanted, loaded), wanted)
 
 

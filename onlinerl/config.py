@@ -121,7 +121,20 @@ class ServingConfig(_Section):
     replicas: int = Field(1, ge=0, le=1000)
     max_prompt_chars: int = Field(32768, ge=1)
     max_tokens_cap: int = Field(4096, ge=1, le=131072)
-    request_timeout_seconds: float = Field(60.0, gt=0)
+    default_max_tokens: int = Field(
+        16,
+        ge=1,
+        le=131072,
+        description="Tokens generated for a request that gives no max_tokens (or null): 16, as OpenAI's and vLLM's "
+        "legacy completions API. At most maxTokensCap (unset, it yields to a smaller cap). Continue always sends "
+        "its own (maxTokens).",
+    )
+    request_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for the engine's answer (or, streaming, for its next piece); a request that outlives "
+        "it gets 504 with a message (a slow engine), while 503 + Retry-After means the engine is down.",
+    )
     engine_connect_timeout_seconds: float = Field(2.0, gt=0)
     retry_after_seconds: int = Field(2, ge=1)
     exploration_temperature: float | None = Field(
@@ -159,6 +172,18 @@ class ServingConfig(_Section):
     vllm_args: list[str] = Field(default_factory=list)
     gpus: int = Field(0, ge=0, le=64, description="k8s: GPUs per serving replica (0 = vLLM on CPU).")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> ServingConfig:
+        """A default set above the cap is a contradiction; the unset default (16) yields to a smaller cap."""
+        if "default_max_tokens" not in self.model_fields_set:
+            self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_cap)
+        elif self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError(
+                f"serving.defaultMaxTokens ({self.default_max_tokens}) is above serving.maxTokensCap "
+                f"({self.max_tokens_cap}): lower defaultMaxTokens or raise maxTokensCap"
+            )
+        return self
 
     @property
     def max_body_bytes(self) -> int:

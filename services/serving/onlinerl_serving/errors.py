@@ -65,3 +65,16 @@ def pin_forbidden(role: str) -> ApiError:
 
 def unavailable(message: str, retry_after: int) -> ApiError:
     return ApiError(503, message, type_="service_unavailable", code="engine_unavailable", retry_after=retry_after)
+
+
+def engine_timeout(timeout_s: float) -> ApiError:
+    """The engine is up but did not answer within ``serving.requestTimeoutSeconds``: 504, no Retry-After (the same
+    request would time out again)."""
+    return ApiError(
+        504,
+        f"the inference engine did not finish this request within {timeout_s:g} s (serving.requestTimeoutSeconds): "
+        "ask for fewer tokens (max_tokens) or a shorter prompt, or raise the timeout",
+        type_="server_error",
+        param="max_tokens",
+        code="engine_timeout",
+    )

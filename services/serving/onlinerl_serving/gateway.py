@@ -31,7 +31,7 @@ from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.http_errors import error_body
 from onlinerl.keys import Keys
 from onlinerl_serving.capture import RolloutAccumulator, RolloutStore, client_view
-from onlinerl_serving.errors import ApiError, pin_forbidden, unauthorized, unavailable
+from onlinerl_serving.errors import ApiError, engine_timeout, pin_forbidden, unauthorized, unavailable
 from onlinerl_serving.metrics import GatewayMetrics
 from onlinerl_serving.openapi import openapi_document
 from onlinerl_serving.requests import (
@@ -45,7 +45,7 @@ from onlinerl_serving.requests import (
 from onlinerl_serving.routing import Route as PolicyRoute
 from onlinerl_serving.routing import choose, route, served_model_name, user_hash
 from onlinerl_serving.state import ServingState
-from onlinerl_serving.upstream import EnginePool, EngineUnavailable, UpstreamResponse
+from onlinerl_serving.upstream import EnginePool, EngineTimeout, EngineUnavailable, UpstreamResponse
 from onlinerl_serving.weights_gate import WeightsUnknown, weights_endpoint
 
 log = logging.getLogger("onlinerl.gateway")
@@ -95,7 +95,12 @@ class Gateway:
         self.pool = pool  # keep-alive connections to this pod's vLLM
         self.keys = Keys(cfg.job)
         self.metrics = metrics or GatewayMetrics()
-        self.limits = Limits(cfg.serving.max_prompt_chars, cfg.serving.max_tokens_cap, cfg.model.max_model_len)
+        self.limits = Limits(
+            cfg.serving.max_prompt_chars,
+            cfg.serving.max_tokens_cap,
+            cfg.model.max_model_len,
+            cfg.serving.default_max_tokens,
+        )
         self.max_body = cfg.serving.max_body_bytes
         self.state = ServingState(
             redis=redis,
@@ -193,6 +198,8 @@ class Gateway:
     async def _open_upstream(self, body: bytes) -> UpstreamResponse:
         try:
             return await self.pool.post("/v1/completions", body)
+        except EngineTimeout:
+            raise engine_timeout(self.cfg.serving.request_timeout_seconds) from None
         except EngineUnavailable as exc:
             self.state.engine_up = False
             raise unavailable(
@@ -204,6 +211,9 @@ class Gateway:
         resp = await self._open_upstream(body)
         try:
             await resp.read()
+        except EngineTimeout:
+            await resp.aclose()
+            raise engine_timeout(self.cfg.serving.request_timeout_seconds) from None
         except EngineUnavailable as exc:
             await resp.aclose()
             raise unavailable(

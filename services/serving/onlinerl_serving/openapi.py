@@ -44,7 +44,15 @@ def completion_request_schema(limits: Limits) -> dict[str, Any]:
                 "description": "one raw (FIM-rendered) prompt; a list holding exactly one string is accepted",
                 "anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}],
             },
-            "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": limits.max_tokens_cap}),
+            "max_tokens": _nullable(
+                {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": limits.max_tokens_cap,
+                    "default": min(limits.default_max_tokens, limits.max_tokens_cap),
+                    "description": "absent or null: serving.defaultMaxTokens (16, as OpenAI's legacy completions)",
+                }
+            ),
             "stream": {"type": "boolean"},
             "stream_options": _nullable(
                 {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "additionalProperties": True}
@@ -119,7 +127,7 @@ def openapi_document(limits: Limits, served_name: str) -> dict[str, Any]:
                             "description": "the completion (JSON, or an SSE stream when `stream` is true)",
                             "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
                         },
-                        **_errors(400, 401, 403, 409, 413, 503),
+                        **_errors(400, 401, 403, 409, 413, 503, 504),
                     },
                 }
             },

@@ -50,6 +50,7 @@ class Limits:
     max_prompt_chars: int
     max_tokens_cap: int
     max_model_len: int = 1 << 30  # vLLM refuses max_tokens above its context; Continue asks 4096 by default
+    default_max_tokens: int = 16  # no max_tokens in the body: OpenAI's legacy completions default
 
 
 @dataclass
@@ -101,9 +102,9 @@ def parse_completion_request(raw: bytes, limits: Limits) -> CompletionRequest:
             code="prompt_too_long",
         )
 
-    max_tokens = body.get("max_tokens", limits.max_tokens_cap)
-    if max_tokens is None:
-        max_tokens = limits.max_tokens_cap
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:  # OpenAI's legacy completions default (16), not the cap: on CPU the cap runs for minutes
+        max_tokens = min(limits.default_max_tokens, limits.max_tokens_cap)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise bad_request("`max_tokens` must be a positive integer", param="max_tokens", code="invalid_type")
     if max_tokens > limits.max_tokens_cap:

@@ -22,6 +22,12 @@ class EngineUnavailable(ConnectionError):
     """No connection, or it broke before a response arrived: the caller answers 503."""
 
 
+class EngineTimeout(EngineUnavailable):
+    """Connected, but no data within the read timeout (``serving.requestTimeoutSeconds``): the engine is up but too
+    slow for this request (e.g. a long ``max_tokens`` on CPU). The caller answers 504, not 503: a client told "down,
+    retry" would only send the same slow request again."""
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -78,7 +84,7 @@ class _Connection(asyncio.Protocol):
                 await asyncio.wait_for(self.waiter, timeout)
             except TimeoutError:
                 self.close()
-                raise EngineUnavailable(f"no data from the engine for {timeout:.0f}s") from None
+                raise EngineTimeout(f"no data from the engine for {timeout:g}s") from None
             finally:
                 self.waiter = None
         item = self.items.popleft()
@@ -216,9 +222,9 @@ class EnginePool:
             except asyncio.CancelledError:
                 conn.close()  # the caller gave up (its client left): closing makes vLLM abort the request
                 raise
-            except EngineUnavailable:
+            except EngineUnavailable as exc:
                 conn.close()
-                if reused and attempt == 0 and not conn.got_response:
+                if reused and attempt == 0 and not conn.got_response and not isinstance(exc, EngineTimeout):
                     continue  # the server closed an idle keep-alive connection under us: one fresh try
                 raise
             return UpstreamResponse(self, conn)

@@ -2,8 +2,9 @@
 
 Reads: the policy table, per-version stats counters and the trainer's status hash, for the CR status.
 Writes: only the ``pinned`` and ``paused`` fields of the policy table (spec.rollout.pinnedVersion / paused), once per
-change of the spec field, and ``spec.rollout.rollbackTo`` through the CLI's own rollback; the reloader and the rollout
-controller own the other fields, so the operator never rewrites them.
+change of the spec field, and ``spec.rollout.rollbackTo`` through the CLI's own rollback, ``paused: false`` through
+the CLI's own resume (it releases a manual hold too); the reloader and the rollout controller own the other fields,
+so the operator never rewrites them.
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def _client(url: str, timeout: float) -> aioredis.Redis:
 async def write_policy_field(url: str, job: str, name: str, value: str, timeout: float = 2.0) -> bool:
     """Set one operator-owned field of the policy table (``pinned`` from spec.rollout.pinnedVersion, ``paused`` from
     spec.rollout.paused) when it differs. Called once per change of that spec field (a kopf field handler), so a
-    later manual decision (``onlinerl policy unpin``) sticks until the spec field changes again."""
+    later manual decision (``onlinerl policy unpin``) sticks until the spec field changes again. ``paused`` set to
+    false is the spec's ``onlinerl policy resume``: it also releases a manual hold (rollback, pin), see
+    :func:`resume`."""
+    if name == "paused" and value == "0":
+        return await resume(url, job, timeout)
     keys = Keys(job)
     r = _client(url, timeout)
     try:
@@ -103,6 +108,32 @@ async def read_view(url: str, job: str, timeout: float = 2.0, decisions_after: s
         return view
     finally:
         await r.aclose()
+
+
+async def resume(url: str, job: str, timeout: float = 2.0) -> bool:
+    """spec.rollout.paused changed to false: the same resume as `onlinerl policy resume` (one code path, one decision
+    record, actor ``operator``): promotions resume and a human's hold (rollback, pin) is released, so the rollout
+    gates the newest version again. Nothing is written when the table is neither paused nor held. True if it acted."""
+    import asyncio
+
+    import redis
+
+    from onlinerl.rollout.manual import set_paused
+    from onlinerl.rollout.store import RolloutStore
+
+    def run() -> bool:
+        r = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        try:
+            store = RolloutStore(r, Keys(job))
+            table = store.policy()
+            if not table.paused and table.hold is None:
+                return False
+            set_paused(store, False, actor="operator")
+            return True
+        finally:
+            r.close()
+
+    return await asyncio.to_thread(run)
 
 
 async def manual_rollback(url: str, job: str, version: int, timeout: float = 2.0) -> str:

@@ -21,10 +21,11 @@ from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable
 
 # strategy direct: raise policy.stable (KEYS[1]) to ARGV[1] only if it is newer (replicas race; stable never goes
-# back), no manual decision holds the table, promotion is not paused, and the rollout (KEYS[2]) never rolled
-# ARGV[1] back. One script: a concurrent `onlinerl policy rollback` is either before (seen) or after (wins).
+# back), no manual decision holds the table, promotion is not paused, the rollout (KEYS[2]) never rolled ARGV[1]
+# back, and ARGV[1] follows the last manual rollback's lineage (ARGV[3]: its announcement's rollback_at; '' = not
+# known, not checked). One script: a concurrent `onlinerl policy rollback` is either before (seen) or after (wins).
 RAISE_STABLE = Script("""
-local t = redis.call('HMGET', KEYS[1], 'stable', 'hold', 'paused')
+local t = redis.call('HMGET', KEYS[1], 'stable', 'hold', 'paused', 'rollback_to', 'rollback_at')
 if t[2] and t[2] ~= '' then return -1 end
 if t[3] == '1' then return -2 end
 local verdict = redis.call('HGET', KEYS[2], ARGV[1])
@@ -32,6 +33,7 @@ if verdict then
   local ok, d = pcall(cjson.decode, verdict)
   if ok and (d['state'] == 'rolled_back' or d['state'] == 'gate_failed') then return -3 end
 end
+if ARGV[3] ~= '' and t[4] and t[4] ~= '' and tonumber(t[5] or '0') ~= tonumber(ARGV[3]) then return -4 end
 local cur = tonumber(t[1] or '0') or 0
 if tonumber(ARGV[1]) > cur then
   redis.call('HSET', KEYS[1], 'stable', ARGV[1], 'updated_at', ARGV[2])
@@ -40,7 +42,13 @@ end
 return 0
 """)
 RAISED = 1
-NOT_RAISED = {0: "not newer", -1: "a manual decision holds stable", -2: "promotion paused", -3: "rolled back before"}
+NOT_RAISED = {
+    0: "not newer",
+    -1: "a manual decision holds stable",
+    -2: "promotion paused",
+    -3: "rolled back before",
+    -4: "trained on weights a manual rollback dropped",
+}
 
 
 def read(client: redis.Redis, keys: Keys) -> PolicyTable:
@@ -51,9 +59,13 @@ async def read_async(client: Any, keys: Keys) -> PolicyTable:
     return PolicyTable.from_redis(await client.hgetall(keys.policy))
 
 
-async def raise_stable(client: Any, keys: Keys, version: int) -> int:
-    """``RAISE_STABLE``: ``RAISED`` (1), or a key of ``NOT_RAISED`` saying why not."""
-    return int(await RAISE_STABLE.run_async(client, [keys.policy, keys.rollout], [str(version), repr(time.time())]))
+async def raise_stable(client: Any, keys: Keys, version: int, rollback_at: float | None = None) -> int:
+    """``RAISE_STABLE``: ``RAISED`` (1), or a key of ``NOT_RAISED`` saying why not. ``rollback_at``: the lineage
+    marker of the version's announcement (None: not known, not checked)."""
+    marker = "" if rollback_at is None else repr(rollback_at)
+    return int(
+        await RAISE_STABLE.run_async(client, [keys.policy, keys.rollout], [str(version), repr(time.time()), marker])
+    )
 
 
 async def set_field(client: Any, keys: Keys, name: str, value: str) -> bool:

@@ -11,8 +11,9 @@
 5. every tick compares vLLM's model list with what it should hold: a restarted vLLM gets its versions back.
 
 The direct raise is one Lua script that refuses while the table holds a manual decision (``hold``, set by
-``onlinerl policy rollback`` / ``pin``, cleared by ``resume``), while ``paused``, and for a version the rollout
-rolled back: a human's rollback survives any reload, reloader restart or vLLM restart.
+``onlinerl policy rollback`` / ``pin``, cleared by ``resume``), while ``paused``, for a version the rollout rolled
+back, and for one whose announcement is off the last manual rollback's lineage (its ``rollback_at``: trained on the
+weights the rollback dropped): a human's rollback survives any reload, reloader restart or vLLM restart.
 
 Full-weight mode (``serving.weightsMode: full``) holds one version: the one the policy table gives this replica
 (pinned, else a candidate with ``canary_share`` 1 -- blue/green's switch --, else stable; under ``direct`` stable is
@@ -314,8 +315,10 @@ class Reloader:
         return raised
 
     async def _raise_stable(self, v: int) -> bool:
-        """strategy direct: make ``v`` stable unless the table forbids it (see ``policy.RAISE_STABLE``)."""
-        code = await policy.raise_stable(self.redis, self.keys, v)
+        """strategy direct: make ``v`` stable unless the table forbids it (see ``policy.RAISE_STABLE``), also when
+        its announcement shows it was trained on weights a manual rollback dropped."""
+        known = self.versions.get(v)
+        code = await policy.raise_stable(self.redis, self.keys, v, known.ann.rollback_at if known else None)
         result = "raised" if code == policy.RAISED else policy.NOT_RAISED[code]
         if code == 1:
             log.info("policy.stable -> v%d", v)

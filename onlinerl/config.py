@@ -89,6 +89,12 @@ class RedisConfig(_Section):
     )
     url_secret: str = Field("", description="k8s: Secret whose key `urlSecretKey` holds the URL of an external Redis.")
     url_secret_key: str = "url"
+    url_secret_per_user: bool = Field(
+        False,
+        description="k8s: urlSecret holds one URL per Redis user (keys gateway, reloader, feedback, trainer, rollout, "
+        "operator; the chart's shared Redis writes <job>-redis-urls for each job of redis.jobs): each container "
+        "connects as its own user, the operator as operator. urlSecretKey is then unused.",
+    )
     password_secret: str = Field(
         "",
         description="k8s, in-cluster Redis: Secret with one key per ACL user (`serving`, `feedback`, `trainer`, "

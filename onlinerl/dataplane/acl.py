@@ -168,9 +168,58 @@ def aclfile_template(job: str | None = None) -> str:
     return _text(_lines({c.value: user_rule(c, job, "", hashed=f"@{c.value}@") for c in USERS}))
 
 
+# The chart's shared Redis serves several jobs, each with its own users ``<job>.<component>`` confined to its keys
+# (``orl:{<job>}:``), as a job's own Redis is: a user of one job reaches no other job's keys. Helm fills the per-job
+# template once per job of ``redis.jobs`` (``CHART_JOB``: the name, ``CHART_JOB_VAR``: the name as a shell variable
+# part, ``-`` -> ``_``), then appends the global one (``admin``, ``default`` off). Job names there are DNS labels
+# (``[a-z0-9-]``), so neither holds a glob or shell character.
+CHART_JOB = "@job@"
+CHART_JOB_VAR = "@jobvar@"
+CHART_JOB_USERS: tuple[Component, ...] = tuple(c for c in USERS if c is not Component.ADMIN)
+
+
+def chart_user(job: str, component: Component) -> str:
+    """The Redis user of ``component`` of ``job`` on the chart's shared Redis (its Secret key too)."""
+    return f"{job}.{component.value}"
+
+
+def _env_part(job: str, component: Component) -> str:
+    """What follows ``ORL_REDIS_PW_`` for that user: a shell variable name part."""
+    return f"{job.replace('-', '_')}__{component.value}"
+
+
+def chart_job_template() -> str:
+    """One job's users on the chart's shared Redis, with ``CHART_JOB``/``CHART_JOB_VAR`` for helm to fill in."""
+    users = {
+        chart_user(CHART_JOB, c): user_rule(c, CHART_JOB, "", hashed=f"@{CHART_JOB_VAR}__{c.value}@")
+        for c in CHART_JOB_USERS
+    }
+    return _text(users)
+
+
+def chart_global_template() -> str:
+    """The chart's shared Redis users of no job: ``admin`` (everything; the CLI, the probes) and ``default`` off."""
+    return _text(_lines({Component.ADMIN.value: user_rule(Component.ADMIN, None, "", hashed="@admin@")}))
+
+
+def chart_aclfile_template(jobs: Iterable[str]) -> str:
+    """What the chart renders for ``redis.jobs`` (the per-job template filled in per job, then the global one): the
+    tests hold helm's output to it."""
+    per_job = chart_job_template()
+    return "".join(per_job.replace(CHART_JOB_VAR, j.replace("-", "_")).replace(CHART_JOB, j) for j in jobs) + (
+        chart_global_template()
+    )
+
+
+def chart_password_env(job: str, component: Component) -> str:
+    """The env variable the chart's Redis reads ``chart_user(job, component)``'s password from."""
+    return PASSWORD_ENV_PREFIX + _env_part(job, component)
+
+
 # The Kubernetes Redis (operator and chart) starts through this script: it fills each password's SHA-256 into the
-# template from ``$ORL_REDIS_PW_<user>`` and execs the server with the aclfile, so rendering stays pure and the
-# aclfile never holds a password. A missing password stops the start (an empty one would open the user).
+# template, for every ``#@<name>@`` placeholder there, from ``$ORL_REDIS_PW_<name>``, and execs the server with the
+# aclfile, so rendering stays pure and the aclfile never holds a password. A missing password stops the start (an
+# empty one would open the user). Placeholder names are ``[A-Za-z0-9_]``: nothing else reaches the ``eval``.
 PASSWORD_ENV_PREFIX = "ORL_REDIS_PW_"
 TEMPLATE_PATH = "/etc/redis-acl/users.acl.tpl"
 ACLFILE_PATH = "/run/redis-acl/users.acl"
@@ -182,7 +231,7 @@ umask 077
 tpl="${{ORL_REDIS_ACL_TEMPLATE:-{template}}}"
 out="${{ORL_REDIS_ACL_FILE:-{aclfile}}}"
 cp "$tpl" "$out"
-for u in {users}; do
+for u in $(grep -o '#@[A-Za-z0-9_]*@ ' "$out" | tr -d '#@ ' | sort -u); do
   eval "pw=\\${{{prefix}$u:-}}"
   if [ -z "$pw" ]; then echo "no password for Redis user $u (set {prefix}$u)" >&2; exit 1; fi
   h=$(printf %s "$pw" | sha256sum | cut -d' ' -f1)
@@ -195,9 +244,7 @@ exec "$(command -v valkey-server || command -v redis-server)" "$@" --aclfile "$o
 
 def startup_script() -> str:
     """The shell script a Kubernetes Redis starts with (see ``_STARTUP``)."""
-    return _STARTUP.format(
-        template=TEMPLATE_PATH, aclfile=ACLFILE_PATH, prefix=PASSWORD_ENV_PREFIX, users=" ".join(u.value for u in USERS)
-    )
+    return _STARTUP.format(template=TEMPLATE_PATH, aclfile=ACLFILE_PATH, prefix=PASSWORD_ENV_PREFIX)
 
 
 def startup_digest(job: str | None) -> str:
@@ -206,7 +253,8 @@ def startup_digest(job: str | None) -> str:
 
 
 CHART_FILES = {
-    "charts/onlinerl/files/redis-users.acl.tpl": aclfile_template,
+    "charts/onlinerl/files/redis-users.acl.tpl": chart_job_template,
+    "charts/onlinerl/files/redis-admin.acl.tpl": chart_global_template,
     "charts/onlinerl/files/redis-acl-start.sh": startup_script,
 }
 

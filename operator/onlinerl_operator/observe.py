@@ -48,7 +48,7 @@ async def redis_url(kube: Kube, ctx: RenderContext) -> str:
     if ctx.redis_url:
         return ctx.redis_url
     secret = await kube.get("Secret", ctx.namespace, ctx.cfg.redis.url_secret)
-    key = ctx.cfg.redis.url_secret_key
+    key = "operator" if ctx.cfg.redis.url_secret_per_user else ctx.cfg.redis.url_secret_key
     if secret is None or key not in (secret.get("data") or {}):
         raise LookupError(f"Secret {ctx.cfg.redis.url_secret} with key {key!r} (redis.urlSecret) not found")
     return base64.b64decode(secret["data"][key]).decode()

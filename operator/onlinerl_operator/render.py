@@ -202,7 +202,8 @@ def http_probe(path: str, port: int | str, period: int = 10, failures: int = 3, 
 
 
 def onlinerl_env(ctx: RenderContext, component: str) -> list[dict[str, Any]]:
-    """Config path and Redis URL of ``component``'s containers (in-cluster Redis: its own ACL user)."""
+    """Config path and Redis URL of ``component``'s containers (in-cluster Redis, or a URL Secret per user such as
+    the chart's shared Redis writes: its own ACL user)."""
     env: list[dict[str, Any]] = [
         {"name": "ONLINERL_CONFIG", "value": f"{c.CONFIG_DIR}/{c.CONFIG_FILE}"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -210,10 +211,11 @@ def onlinerl_env(ctx: RenderContext, component: str) -> list[dict[str, Any]]:
     if not ctx.cfg.model.path and not ctx.cfg.model.image:
         env.append({"name": "ONLINERL_CACHE", "value": c.MODEL_COPY_DIR})  # where the init container bootstrapped
     if ctx.cfg.redis.url_secret:
+        key = Component(component).value if ctx.cfg.redis.url_secret_per_user else ctx.cfg.redis.url_secret_key
         env.append(
             {
                 "name": "ONLINERL__REDIS__URL",
-                "valueFrom": {"secretKeyRef": {"name": ctx.cfg.redis.url_secret, "key": ctx.cfg.redis.url_secret_key}},
+                "valueFrom": {"secretKeyRef": {"name": ctx.cfg.redis.url_secret, "key": key}},
             }
         )
     elif ctx.in_cluster_redis:

@@ -57,9 +57,10 @@ def test_install_notes_carry_the_continue_config(notes_chart: Path) -> None:
 def test_upgrade_notes_and_shared_redis(notes_chart: Path) -> None:
     text = notes(notes_chart, "--is-upgrade", "-f", str(VALUES_DIR / "shared-redis.yaml"))
     assert "upgraded (revision" in text and "was upgraded with it" in text
-    assert "spec.redis.urlSecret: onlinerl-redis" in text
-    assert "redis://admin:${PASS}@orl-onlinerl-redis.onlinerl-system.svc:6379/0" in text
-    assert "jsonpath='{.data.admin}'" in text
+    # each listed job is told its own URL Secret (one user per component), never the admin URL
+    assert "demo (namespace team-a):  spec.redis.urlSecret: demo-redis-urls  spec.redis.urlSecretPerUser: true" in text
+    assert "second-job (namespace onlinerl-system):  spec.redis.urlSecret: second-job-redis-urls" in text
+    assert "redis://admin" not in text and "{.data.admin}" not in text
     assert "<your-ingress-host>" in text, "without continue.baseUrl the notes print a placeholder"
     assert "the monitoring.coreos.com/v1 API is not served" in text
     for example in ("examples/cpu-demo.yaml", "examples/gpu-lora-qwen-1.5b.yaml", "examples/gpu-8x-full-zero3.yaml"):

@@ -156,11 +156,14 @@ def test_redis_is_durable_and_persistent() -> None:
     assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
     assert claim["spec"]["storageClassName"] == "fast-ssd"
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
-    (secret,) = by_kind(docs, "Secret")
-    assert all(
-        len(secret["data"][u]) > 20
-        for u in ("gateway", "reloader", "feedback", "trainer", "rollout", "operator", "admin")
-    )
+    secrets = {d["metadata"]["name"]: d for d in by_kind(docs, "Secret")}
+    assert set(secrets) == {"orl-onlinerl-redis", "demo-redis-urls", "second-job-redis-urls"}
+    components = ("gateway", "reloader", "feedback", "trainer", "rollout", "operator")
+    users = [f"{job}.{c}" for job in ("demo", "second-job") for c in components] + ["admin"]
+    assert sorted(secrets["orl-onlinerl-redis"]["data"]) == sorted(users)
+    assert all(len(secrets["orl-onlinerl-redis"]["data"][u]) > 20 for u in users)
+    assert secrets["demo-redis-urls"]["metadata"]["namespace"] == "team-a"
+    assert sorted(secrets["demo-redis-urls"]["data"]) == sorted(components)
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["sh", "/etc/redis-acl/start.sh", "/etc/valkey/valkey.conf"]
 
@@ -171,7 +174,7 @@ def test_redis_existing_secret_and_no_volume() -> None:
     sts = by_kind(docs, "StatefulSet")[0]
     assert "volumeClaimTemplates" not in sts["spec"]
     env = sts["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "my-redis-password", "key": "gateway"}
+    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "my-redis-password", "key": "demo.gateway"}
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env} == {"my-redis-password"}
 
 

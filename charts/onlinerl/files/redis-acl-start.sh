@@ -6,7 +6,7 @@ umask 077
 tpl="${ORL_REDIS_ACL_TEMPLATE:-/etc/redis-acl/users.acl.tpl}"
 out="${ORL_REDIS_ACL_FILE:-/run/redis-acl/users.acl}"
 cp "$tpl" "$out"
-for u in gateway reloader feedback trainer rollout operator admin; do
+for u in $(grep -o '#@[A-Za-z0-9_]*@ ' "$out" | tr -d '#@ ' | sort -u); do
   eval "pw=\${ORL_REDIS_PW_$u:-}"
   if [ -z "$pw" ]; then echo "no password for Redis user $u (set ORL_REDIS_PW_$u)" >&2; exit 1; fi
   h=$(printf %s "$pw" | sha256sum | cut -d' ' -f1)

@@ -1,0 +1,2 @@
+user admin reset on #@admin@ ~* &* +@all
+user default reset off

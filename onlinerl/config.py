@@ -272,7 +272,9 @@ class SilenceConfig(_Section):
     """Silence is learnable: Continue uploads an outcome only for suggestions it displayed, so for a served rollout
     that gets no outcome within ``windowSeconds`` of its end the feedback service itself produces the ``empty``
     reward ("not shown"), once, for tenants whose clients track completions (see the feedback sweeper).
-    Off for every tenant not listed: a client that never uploads would otherwise teach only silence."""
+    Off for every tenant not listed: a client that never uploads would otherwise teach only silence. The trainer
+    never makes a completion nobody saw likelier: a silence sample's advantage is capped at 0 (inert while the
+    tenant's baseline is below ``empty``, as under the default reward; a push down when it is above)."""
 
     window_seconds: float = Field(
         15.0,

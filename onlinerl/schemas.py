@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from onlinerl.arms import STABLE, Arm
 
 SCHEMA_VERSION = 1
+SILENCE_MATCH = "silence"  # TrainingSample.match of a server-made "not shown" sample (feedback silence.py)
 
 
 class _Record(BaseModel):
@@ -99,9 +100,14 @@ class TrainingSample(_Record):
         "softmax(logits / temperature), and the trainer evaluates pi_theta the same way.",
     )
     shown_text: str = ""
-    match: Literal["exact", "prefix", "trimmed", "unverified", "silence"] = "exact"  # silence: never shown
+    match: Literal["exact", "prefix", "trimmed", "unverified", "silence"] = "exact"  # SILENCE_MATCH: never shown
     rollout_created_at: float = 0.0
     feedback_at: float = Field(default_factory=time.time)
+
+    @property
+    def unseen(self) -> bool:
+        """A silence sample: the completion was never shown, so the trainer never makes it likelier (advantages.py)."""
+        return self.match == SILENCE_MATCH
 
 
 class AuditEntry(_Record):

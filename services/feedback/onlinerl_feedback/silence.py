@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from onlinerl.arms import EVAL
 from onlinerl.config import RewardConfig
 from onlinerl.keys import prompt_digest
-from onlinerl.schemas import AuditEntry, RolloutRecord, TrainingSample
+from onlinerl.schemas import SILENCE_MATCH, AuditEntry, RolloutRecord, TrainingSample
 
 from .decide import AUDIT_TEXT_LIMIT, EVAL_ARM, GREEDY, Counters
 
 SILENT = "silent"  # outcome in the rollout's rated mark and in the audit: the server, not a client, rated it
-SILENCE_MATCH = "silence"  # TrainingSample.match of a silence sample: nothing was shown
 NO_TOKENS = "no_tokens"  # the record holds no generated token with a log-prob (nothing the trainer could learn)
 EVENT_PREFIX = "silence:"  # event_id of a silence sample or audit entry: "silence:<rollout_id>"
 COUNTERS: Counters = (("silent", 1),)  # stats:v{N}:{arm} field bumped once per silenced rollout

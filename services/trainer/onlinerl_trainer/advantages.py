@@ -154,20 +154,37 @@ class Selection:
     inert: list[int]  # no gradient at all (is_inert): acknowledged without a forward pass
 
 
+def cap_unseen(advantages: Sequence[float], unseen: Sequence[bool] | None) -> list[float]:
+    """A silence sample ("not shown": a tracked rollout nobody rated) never gets a positive advantage.
+
+    Its reward (``reward.empty``, 0) sits above a baseline that rejects pulled negative, so 0 - b > 0 pushed up, token
+    by token, a completion nobody saw: the policy learned to write what the client does not show. What silence should
+    teach is "say nothing here" (the end token at that position), a target vLLM recorded no log-prob for. Until that
+    is built, silence only ever pushes its completion down (when the tenant's baseline is above ``empty``: the
+    suggestion was worth less than the average outcome) and is inert otherwise; it still counts in the baseline.
+    """
+    if unseen is None:
+        return list(advantages)
+    return [min(a, 0.0) if u else a for a, u in zip(advantages, unseen, strict=True)]
+
+
 def select_trainable(
     sample_ids: Sequence[str],
     rewards: Sequence[float],
     tenants: Sequence[str],
     algo: AlgorithmConfig,
     running: RunningBaseline | None,
+    unseen: Sequence[bool] | None = None,
 ) -> Selection:
     """The trainer's whole rule from rewards to trained samples, in its order: advantages against the baseline
-    (which sees every reward, kept or not), then rejects subsampled and weighted (:func:`subsample_negatives`), then
-    samples without gradient dropped (:func:`is_inert`: with the ``rlinf`` reward and no baseline, every reject).
-    The feed and the tests' single-process references both call this, so they cannot drift apart."""
+    (which sees every reward, kept or not), silence samples (``unseen``) capped at 0 (:func:`cap_unseen`), then
+    rejects subsampled and weighted (:func:`subsample_negatives`), then samples without gradient dropped
+    (:func:`is_inert`: with the ``rlinf`` reward and no baseline, every reject). The feed and the tests'
+    single-process references both call this, so they cannot drift apart."""
     adv = compute_advantages(
         rewards, tenants, baseline=algo.baseline, running=running, normalize=algo.normalize_advantages
     )
+    adv = cap_unseen(adv, unseen)
     keep, weighted = subsample_negatives(sample_ids, adv, algo.negative_sample_rate, algo.negative_weight)
     kept = set(keep)
     subsampled = [i for i in range(len(adv)) if i not in kept]

@@ -137,6 +137,7 @@ class SampleFeed:
             [s.sample.tenant for s in samples],
             self.algo,
             self.baseline,
+            [s.sample.unseen for s in samples],
         )
         # rejects not drawn by negativeSampleRate (the kept ones carry their weight), and samples without gradient
         # (advantage 0, no KL or entropy term): both acknowledged untrained; on CPU the pass is the scarce resource

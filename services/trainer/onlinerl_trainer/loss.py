@@ -54,8 +54,10 @@ The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choos
     E[(R - b) grad log pi] = E[1{accepted} g grad log pi]: the rejects' expected push is the zero-mean score term
     -p_hat E[grad log pi], all variance, while the few accepts carry the direction, and g tilts it from "stop
     after the sure part" toward "finish the line" (under Cursor's flat table g = 1 and the policy halved its
-    suggestions, run 16). Only silence samples (reward 0, between the two) make the table another objective. Four
-    bounds, each cheap, keep the reject's gradient without letting it drown the accepts:
+    suggestions, run 16). Silence samples (reward 0, between the two; feedback.silence, off by default) would make the
+    table another objective and pushed up text nobody saw; their advantage is capped at 0 (advantages.cap_unseen),
+    so they only ever push down. Four bounds, each cheap, keep the reject's gradient without letting it drown the
+    accepts:
     - negative weight w = 0.05 (advantages.subsample_negatives, before this loss): a reject carries w of its
       advantage in expectation, A_reject = -w p_hat. That is 1{accepted} scaled by c = 1 - (1 - w) p_hat minus a
       constant baseline w p_hat: the same expected direction, less variance. Where trainer passes are scarce (the

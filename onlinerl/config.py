@@ -416,7 +416,14 @@ class AlgorithmConfig(_Section):
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    ppo_epochs: int = Field(1, ge=1)
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        description="Gradient steps per batch. Under oldLogprobs recompute the ratio is exactly 1 in the first epoch, "
+        "so with 1 epoch (this default, the GPU path) the clips never act and one AdamW step (each parameter moves "
+        "at most learningRate) is the bound on an update; from the second epoch (the cpu profile: 4) the clips "
+        "remove the gradient of tokens already past their bound (trainer loss.py: what bounds one update).",
+    )
     negative_sample_rate: float = Field(
         1.0,
         gt=0,

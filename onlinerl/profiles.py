@@ -18,7 +18,9 @@ Why each ``cpu`` value (docs/demo.md, "Configuration of the demonstration"; meas
 * ``trainer.checkpoint.everySteps: 2`` / ``everySeconds: 120``: each published version costs serving a LoRA load, so
   versions come every two steps (run 15: a version every ~60 s, 0 failed requests).
 * ``trainer.algorithm.ppoEpochs: 4``, ``learningRate: 2e-4``: with a few samples a minute, each is reused four times;
-  the PPO clip bounds how far one sample moves the policy (run 5 at 2 epochs and 1e-4 moved nothing in 11 minutes).
+  from the second epoch the PPO clip stops pushing a token already past its bound (in the first the ratio is 1 and
+  no clip acts: each epoch is one AdamW step of at most lr per parameter, loss.py "What bounds one update"; run 5 at
+  2 epochs and 1e-4 moved nothing in 11 minutes).
 * ``trainer.algorithm.negativeSampleRate: 0.05``: under the product's reward every reject carries gradient, and
   ~90% of events are rejects. Training all of them, the trainer kept up with a quarter of the traffic (a 53-minute
   run: 464 of ~2,000 samples trained, a backlog of ~570 growing all run, so it trained on ever older samples and

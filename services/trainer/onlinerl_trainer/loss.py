@@ -74,8 +74,24 @@ The default (AlgorithmConfig; measurements and reasoning in docs/demo.md, "Choos
     forward per batch; decoupled PPO, Hilton et al. 2021), and mu enters only as is_weight = min(pi_old / mu, 2).
     Under the canary most samples are served by stable, a median of 5-6 versions behind the trainer: against mu a
     ratio starts away from 1 before any update and the clip removes what a stale accept teaches (run 17, behaviour:
-    clip fraction median 0.077, four times run 16's under direct). Recomputed, every epoch starts at r = 1 (run 18:
-    median 0.007 over 4 epochs) and the held-out bar was met on both corpora (docs/demo.md, run 18).
+    clip fraction median 0.077, four times run 16's under direct). Recomputed, the first epoch starts at r = 1 (run
+    18: clip fraction median 0.007 over 4 epochs) and the held-out bar was met on both corpora (docs/demo.md, run 18).
+
+What bounds one update (tests/trainer/test_ppo_epochs_bound.py). pi_old is recomputed once per batch, before its
+first epoch, with the very weights being trained, so in epoch 1 r = 1 on every token: clipped = unclipped, and
+neither clip (eps, eps_neg) nor the dual clip can act. The bounds above are therefore bounds of epochs 2 and later.
+    - ppo_epochs 1 (the code default, the GPU path): the clips never act. The bound is the optimizer's: one AdamW step
+      moves each parameter by at most learning_rate (1e-4; the first step by exactly lr x sign of the gradient),
+      whatever the advantages' scale (max_grad_norm rescales the gradient, and Adam's normalisation divides the scale
+      out). A token's probability may move past 1 + eps in that step (measured: 1.58x at lr 1e-2 on the tiny model,
+      clip fraction 0). What else bounds it: is_weight <= is_truncation (a stale sample's weight), negative_weight
+      (the rejects' share), seq-mean, and the canary's gate and statistics after the version is published.
+    - ppo_epochs 4 (the cpu profile, lr 2e-4): epoch 1 as above; from epoch 2 the ratio has moved and a token past
+      its bound in the advantage's direction loses its gradient (clip fraction 0.72 of the later epochs' tokens at lr
+      1e-2 on the tiny model; run 18 at lr 2e-4: median 0.007 over all 4 epochs). Each epoch is one more AdamW step,
+      so a parameter moves by at most 4 x lr per update. The clip is per token, not a bound on the policy: shared
+      (LoRA) weights still move for the tokens not clipped, so a clipped token's ratio can keep growing (2.1x after 4
+      epochs in the same measurement).
     The KL penalty is available and off (kl_coef 0): k3 on the sampled tokens, pi_ref = the LoRA adapter switched
     off (the base, not the previous version), one no-grad forward per batch, [B, T] floats kept across epochs;
     d k3 / d logp = 1 - pi_ref / pi_theta pulls a moved token back. At 0.1 with the rejects at weight 0.15 it held

@@ -97,9 +97,9 @@ class RedisConfig(_Section):
     )
     password_secret: str = Field(
         "",
-        description="k8s, in-cluster Redis: Secret with one key per ACL user (`serving`, `feedback`, `trainer`, "
-        "`rollout`, `operator`, `admin`), each that user's password (URL-safe characters). Empty: the operator "
-        "creates `<job>-redis-users` with generated ones.",
+        description="k8s, in-cluster Redis: Secret with one key per ACL user (`gateway`, `reloader`, `feedback`, "
+        "`trainer`, `rollout`, `operator`, `admin`), each that user's password (URL-safe characters). Empty: the "
+        "operator creates `<job>-redis-users` with generated ones.",
     )
     storage_size: str = Field("8Gi", description="k8s: volume of the in-cluster Redis (used when no URL is given).")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)

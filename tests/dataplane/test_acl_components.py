@@ -85,10 +85,12 @@ def good_eval(req: EvalRequest) -> GateInput:
 
 
 def test_rollout_controller_writes_the_policy_table_as_rollout(vk: EmbeddedValkey, admin: redis.Redis) -> None:
-    """The real controller gates v1 into the canary and promotes it, as user ``rollout``; the serving side runs as its
-    own two users: the reloader's versions as ``reloader``, routing and arm counters as ``gateway``."""
+    """The real controller gates v1 into the canary and promotes it, as user ``rollout``; the reloader's versions are
+    reported as ``reloader``. The simulated traffic (tests/rollout/sim.py) plays the gateway and feedback on one
+    connection, so it runs as ``admin``: each of those two users is held to its own rights through its real service
+    below and in test_acl_least_privilege.py."""
     admin.hset(K.policy, mapping=PolicyTable(stable=0).to_redis())
-    serving, rollout, reloader = client_of(vk, "gateway"), client_of(vk, "rollout"), client_of(vk, "reloader")
+    serving, rollout, reloader = client_of(vk, "admin"), client_of(vk, "rollout"), client_of(vk, "reloader")
     try:
         publish_loaded(reloader, JOB, 1)
         clock = {"now": 1_000_000.0}

@@ -61,7 +61,7 @@ def gateway_and_feedback(
     fb = None
     try:
         children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
-        fb = start_feedback(tmp / "feedback", feedback_redis_url or redis_url, **feedback)
+        fb = start_feedback(tmp / "feedback", feedback_redis_url or redis_url, tenants=tenants, **feedback)
         yield Endpoints(f"http://127.0.0.1:{gw_port}/v1", f"{fb.url}/api/training/submit", fb)
     finally:
         if fb is not None:

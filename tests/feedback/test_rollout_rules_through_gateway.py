@@ -132,7 +132,8 @@ def test_cache_hit_and_eval_rollouts_are_never_trained(stack):
 
     prompt_e, res_e = asyncio.run(serve(s.evaluator, "delta", pin=0))  # X-OnlineRL-Version: 0
     assert (res_e.version, res_e.arm) == (0, "eval")
-    (ev,) = asyncio.run(post_all(s.user, [outcome(s.user, prompt_e, res_e)], concurrent=False))
+    # the evaluator rates what it was served (feedback.rateScope: a key rates only its own rollouts)
+    (ev,) = asyncio.run(post_all(s.evaluator, [outcome(s.evaluator, prompt_e, res_e)], concurrent=False))
     assert (ev["status"], ev["reason"]) == ("rejected", "eval_arm")
     assert len(stream_entries(s.redis, s.keys.samples)) == before  # neither was trained
     reasons = [(a["outcome"], a["reason"]) for a in stream_entries(s.redis, s.keys.audit)[-2:]]

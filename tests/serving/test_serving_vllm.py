@@ -189,6 +189,23 @@ def engine_models(s: Stack) -> set[str]:
     return {m["id"] for m in httpx.get(f"{s.engine_url}/v1/models").json()["data"]}
 
 
+def an_adapter_loaded(s: Stack) -> int:
+    """The newest adapter version the replica has loaded. Run alone, a test finds none: it then publishes the next
+    version itself and waits for the reloader to load it."""
+    with s.gateway.client() as c:
+        loaded = [v for v in c.get("/readyz").json()["loaded_versions"] if v > 0]
+    if loaded:
+        return max(loaded)
+    published = [int(p.name[1:]) for p in (s.ckpt_root / JOB).glob("v*") if p.name[1:].isdigit()]
+    version = max(published, default=0) + 1
+    publish_lora(s.redis, JOB, s.base_model, s.ckpt_root, version)
+    with s.gateway.client() as c:
+        wait_for(
+            lambda: version in c.get("/readyz").json()["loaded_versions"], 60, what=f"v{version} loaded in serving"
+        )
+    return version
+
+
 def direct_greedy(s: Stack, model: str, max_tokens: int = 12) -> str:
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0}
     return httpx.post(f"{s.engine_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
@@ -309,23 +326,45 @@ def test_non_stream_client_that_leaves_aborts_the_generation(stack: Stack) -> No
     assert generated < 2000  # stopped early: the upstream connection was closed and vLLM aborted
 
 
-def test_gateway_metrics_count_what_was_served(stack: Stack) -> None:
-    with stack.gateway.client() as c:
-        metrics = c.get("/metrics").text
-        ready = c.get("/readyz").json()
-    samples = {
+def _samples(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text page: ``name{labels}`` -> value."""
+    return {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
+        for line in text.splitlines()
         if line and not line.startswith("#")
     }
-    assert samples['onlinerl_serving_rollouts_recorded_total{arm="stable",version="0"}'] >= 3
-    assert samples['onlinerl_serving_requests_total{arm="stable",code="200",tenant="acme",version="0"}'] >= 3
-    assert samples["onlinerl_serving_ttft_seconds_count"] >= 2
-    assert samples['onlinerl_serving_request_duration_seconds_count{stream="false"}'] >= 1
-    assert samples["onlinerl_serving_gateway_overhead_seconds_count"] >= 3
-    assert samples["onlinerl_serving_engine_up"] == 1.0 and samples["onlinerl_serving_rollout_record_errors_total"] == 0
-    assert samples["onlinerl_serving_inflight_requests"] == 0
-    assert ready == {"ready": True, "engine": True, "redis": True, "loaded_versions": [0]}
+
+
+def test_gateway_metrics_count_what_was_served(stack: Stack) -> None:
+    """The test's own traffic, two streams and one whole body, is counted, recorded and timed, each request once
+    (the counters move just after the response: waited for, then compared exactly)."""
+    version = policy(stack).stable
+    expected = {
+        f'onlinerl_serving_requests_total{{arm="stable",code="200",tenant="acme",version="{version}"}}': 3.0,
+        f'onlinerl_serving_rollouts_recorded_total{{arm="stable",version="{version}"}}': 3.0,
+        "onlinerl_serving_ttft_seconds_count": 2.0,
+        'onlinerl_serving_request_duration_seconds_count{stream="true"}': 2.0,
+        'onlinerl_serving_request_duration_seconds_count{stream="false"}': 1.0,
+        "onlinerl_serving_gateway_overhead_seconds_count": 3.0,
+    }
+    with stack.gateway.client() as c:
+        before = _samples(c.get("/metrics").text)
+        for _ in range(2):
+            assert stream(c, continue_body(max_tokens=2)).status == 200
+        resp = c.post("/v1/completions", json=continue_body(max_tokens=2, stream=False), headers=AUTH)
+        assert resp.status_code == 200, resp.text
+
+        def grown() -> dict[str, float]:
+            now = _samples(c.get("/metrics").text)
+            return {name: now.get(name, 0.0) - before.get(name, 0.0) for name in expected}
+
+        wait_for(lambda: grown() == expected, 10, what=f"the gateway's counters to grow by {expected}")
+        after = _samples(c.get("/metrics").text)
+        ready = c.get("/readyz").json()
+    assert after["onlinerl_serving_engine_up"] == 1.0 and after["onlinerl_serving_rollout_record_errors_total"] == 0
+    assert after["onlinerl_serving_inflight_requests"] == 0
+    assert (ready["ready"], ready["engine"], ready["redis"]) == (True, True, True)
+    assert version in ready["loaded_versions"]
 
 
 # --- live switch --------------------------------------------------------------------------------------------------
@@ -607,10 +646,7 @@ def test_rollback_reaches_serving_with_no_failed_request(stack: Stack) -> None:
     from onlinerl.rollout.manual import rollback
     from onlinerl.rollout.store import RolloutStore
 
-    with stack.gateway.client() as c:
-        loaded = [v for v in c.get("/readyz").json()["loaded_versions"] if v > 0]
-    assert loaded, "the earlier tests leave at least one adapter loaded"
-    candidate = max(loaded)
+    candidate = an_adapter_loaded(stack)
     stack.redis.hset(
         stack.keys.policy,
         mapping={"stable": "0", "candidate": str(candidate), "canary_share": "1.0", "pinned": "", "paused": "0"},
@@ -657,8 +693,7 @@ def test_gate_evaluator_evaluates_both_versions_through_the_gateway(stack: Stack
     monkeypatch.setenv("ONLINERL_CONFIG", stack.gateway.child.env["ONLINERL_CONFIG"])
     monkeypatch.setenv("ONLINERL_EVAL_DATA", str(tmp_path / "test.jsonl"))
     monkeypatch.setenv("ONLINERL_GATEWAY_URL", stack.gateway.url)
-    with stack.gateway.client() as c:
-        candidate = max(v for v in c.get("/readyz").json()["loaded_versions"] if v > 0)
+    candidate = an_adapter_loaded(stack)
     before = int(stack.redis.hget(stack.keys.stats(candidate, "eval"), "served") or 0)
     gate_input = evaluate(EvalRequest(JOB, candidate, 0, 3))
     assert (gate_input.candidate_version, gate_input.stable_version) == (candidate, 0)

@@ -66,6 +66,13 @@ class Identity:
 ANONYMOUS = Identity(ANONYMOUS_TENANT, "user", "")
 
 
+def reveals_routing(identity: Identity, routing_headers: str) -> bool:
+    """Whether ``identity`` may learn which arm and policy version served it (``serving.routingHeaders``): eval and
+    admin keys always (evaluation and tools need it); a user key only under ``all`` (test and debugging stacks). A
+    user who knows it is in the canary could steer that arm's statistics (issue 35)."""
+    return identity.may_pin or routing_headers == "all"
+
+
 def _entry(tenant: str, i: int, item: object) -> tuple[str, str]:
     """``(key, role)`` of one keys-file entry: a plain string (role user) or ``{key: ..., role: ...}``."""
     if isinstance(item, str) and item:

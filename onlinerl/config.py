@@ -127,6 +127,13 @@ class ServingConfig(_Section):
     replicas: int = Field(1, ge=0, le=1000)
     max_prompt_chars: int = Field(32768, ge=1)
     max_tokens_cap: int = Field(4096, ge=1, le=131072)
+    routing_headers: Literal["privileged", "all"] = Field(
+        "privileged",
+        description="Which keys learn the arm and policy version that served them (the X-OnlineRL-Arm and "
+        "X-OnlineRL-Policy-Version response headers, and policy_version in a feedback reply): privileged = eval and "
+        "admin keys only; all = every key, for test and debugging stacks only (a user who knows it is in the canary "
+        "can steer it).",
+    )
     default_max_tokens: int = Field(
         16,
         ge=1,
@@ -247,7 +254,7 @@ REWARD_PRESETS: dict[str, dict[str, float]] = {
 
 class FeedbackLimitsConfig(_Section):
     """How much one user (one API key) may contribute to training and to the canary statistics, and when one user's
-    accept rate is so far above its tenant's that its feedback is quarantined (see services/feedback/README.md)."""
+    accept rate is so far above or below its tenant's that its feedback is quarantined (services/feedback/README)."""
 
     max_samples_per_user_per_hour: int = Field(
         1000,
@@ -258,7 +265,8 @@ class FeedbackLimitsConfig(_Section):
     anomaly_k: float = Field(
         4.0,
         ge=0,
-        description="Quarantine a user whose accept rate exceeds the tenant's by more than k binomial sigmas; 0 = off.",
+        description="Quarantine a user whose accept rate is more than k binomial sigmas above or below the rest of "
+        "its tenant's; 0 = off.",
     )
     anomaly_min_shown: int = Field(50, ge=1, description="Rated suggestions a user needs before the anomaly test runs.")
     anomaly_window_seconds: int = Field(
@@ -659,6 +667,23 @@ class RolloutConfig(_Section):
         "version at the end of its watch window: it passed the eval gate offline and live traffic found no "
         "regression (a 'kept' promotion, not a proven win). Otherwise, and always with supersede, it yields to a "
         "newer loaded version with no verdict on its quality.",
+    )
+    max_kept_in_a_row: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="Kept promotions (onInconclusive: promote, and blue/green's keep at the end of its watch: "
+        "within noise, not a proven win) that may follow one another; past it only a proven win moves stable. A "
+        "kept promotion must also not be credibly worse than the last proven stable's figures. Both stop small "
+        "regressions, each within noise of the stable before it, from compounding. 0 = keep nothing.",
+    )
+    max_user_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="At each look, one user (API key) counts for at most this share of the look's shown "
+        "suggestions (and of the requests they take) in an arm; a verdict must also hold with any one user left "
+        "out. A look therefore needs at least 1 / maxUserShare users in each arm.",
     )
     guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
     gate: GateConfig = Field(default_factory=GateConfig)

@@ -71,6 +71,12 @@ class RolloutRecord(_Record):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     created_at: float = Field(default_factory=time.time)
     finished_at: float | None = None
+    canary: int | None = Field(
+        None,
+        description="The candidate version the policy table named when this stable- or candidate-arm rollout was "
+        "routed (None: no canary running, or another arm): the canary whose per-user ledger "
+        "(Keys.arm_users) counts it.",
+    )
 
     @field_validator("arm", mode="before")
     @classmethod

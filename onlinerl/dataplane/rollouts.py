@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.keys import RATED_FIELD_PREFIX, Keys, prompt_digest
 from onlinerl.schemas import RolloutRecord
 
@@ -35,8 +36,12 @@ from .scripts import Script
 # record only: its ``rated:`` mark stays until its own TTL, so a rollout can never be rated twice); for a tenant with
 # silence tracking on, mark it due; count it as served. Evicted records' hashes are named from their index member
 # (same hash tag, same slot: fine on Redis Cluster).
-# KEYS: rollouts hash, stats, tenant index, [silence due-set].
-# ARGV: rollout_id, record json, ttl, member, finished_at, cut-off (finished_at - ttl), cap, rollouts key prefix.
+# During a canary it also counts the rollout under its user in the canary's per-user ledger (``Keys.arm_users``),
+# which the rollout controller reads to cap each user's share and to check that no verdict rests on one user.
+# KEYS: rollouts hash, stats, tenant index, per-user ledger (the stats key as a placeholder when none), [silence
+# due-set].
+# ARGV: rollout_id, record json, ttl, member, finished_at, cut-off (finished_at - ttl), cap, rollouts key prefix,
+# ledger field ('' = no ledger: "<user>:served"), ledger ttl.
 # Reply: {served count, records evicted}.
 RECORD = Script(
     """
@@ -55,10 +60,14 @@ if over > 0 then
     if digest then evicted = evicted + redis.call('HDEL', ARGV[8] .. digest, rid) end
   end
 end
-if #KEYS >= 4 then
-  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[4])
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[6])
-  redis.call('EXPIRE', KEYS[4], ARGV[3])
+if #KEYS >= 5 then
+  redis.call('ZADD', KEYS[5], ARGV[5], ARGV[4])
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. ARGV[6])
+  redis.call('EXPIRE', KEYS[5], ARGV[3])
+end
+if ARGV[9] ~= '' then
+  redis.call('HINCRBY', KEYS[4], ARGV[9], 1)
+  redis.call('EXPIRE', KEYS[4], ARGV[10])
 end
 return {redis.call('HINCRBY', KEYS[2], 'served', 1), evicted}
 """
@@ -111,6 +120,23 @@ def parse_member(value: str) -> tuple[str, str] | None:
 
 
 # --- the gateway's write ---------------------------------------------------------------------------------------
+LEDGER_TTL_SECONDS = 30 * 24 * 3600  # a per-user ledger outlives any canary; refreshed on every write
+
+
+def user_ledger(keys: Keys, record: RolloutRecord) -> tuple[str, str] | None:
+    """``(ledger key, user)`` a rollout counts under in its canary's per-user ledger, or None (no canary running
+    when it was routed, or an arm the canary does not compare). The user is the served key's ``user_hash`` (the
+    gateway's, never a client-sent id); the gateway counts ``served`` there, feedback the rest (the append script)."""
+    return ledger_for(keys, record.policy_version, record.arm, record.canary, record.user_hash)
+
+
+def ledger_for(keys: Keys, version: int, arm: str, canary: int | None, user: str) -> tuple[str, str] | None:
+    """``user_ledger`` from the record's parts (feedback carries them in its decision)."""
+    if canary is None or arm not in (STABLE, CANDIDATE):
+        return None
+    return keys.arm_users(version, arm, canary), user or "anonymous"
+
+
 @dataclass(frozen=True)
 class RecordWritten:
     """What the record script did: the arm's ``served`` count after it, and how many old records it evicted."""
@@ -131,10 +157,12 @@ def record_command(
     due."""
     tenant = record.tenant
     finished = record.finished_at or record.created_at
+    ledger = user_ledger(keys, record)
     ks = [
         keys.rollouts(tenant, record.prompt),
         keys.stats(record.policy_version, record.arm),
         keys.rollouts_index(tenant),
+        ledger[0] if ledger else keys.stats(record.policy_version, record.arm),
     ]
     if silence_due:
         ks.append(keys.silence_due(tenant))
@@ -147,6 +175,8 @@ def record_command(
         repr(finished - ttl_seconds),
         str(max_records),
         keys.rollouts_by_digest(tenant, ""),
+        f"{ledger[1]}:served" if ledger else "",
+        str(LEDGER_TTL_SECONDS),
     ]
     return RECORD.eval_command(ks, argv)
 

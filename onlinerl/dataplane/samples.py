@@ -26,11 +26,16 @@ from onlinerl.keys import SAMPLES_GROUP, Keys
 
 DEFAULT_CONSUMER = "trainer-0"
 
-# KEYS: seen, stream, audit, rollouts hash, stats, contrib counter, quarantine mark, user stats, tenant stats (an unused
-#       rollouts/stats key is a placeholder under the job's prefix; the script does not touch it).
+# KEYS: seen, stream, audit, rollouts hash, stats, contrib counter, quarantine mark, user stats, tenant stats, the
+#       canary's per-user ledger (an unused rollouts/stats/ledger key is a placeholder under the job's prefix; the
+#       script does not touch it).
 # ARGV: 1 dedupe ttl, 2 entry json, 3 maxlen (0 = never trim), 4 outcome, 5 rated field ('' = none), 6 rollout ttl,
 #       7 audit maxlen, 8-17 the limit step (limits.py: subject, limit, limited entry, quarantined entry, k, min shown,
-#       stats window, shown, accepted, limited outcome), then (stats field, amount) pairs.
+#       stats window, shown, accepted, limited outcome), 18 ledger field prefix ("<user>:", '' = no ledger), 19 ledger
+#       ttl, then (stats field, amount) pairs: each bumps the arm's stats and, with a ledger, "<user>:<field>" there.
+# The anomaly test is two-sided: a user whose accept rate is more than k binomial sigmas above OR below the rest of
+# the tenant is quarantined (a key that rejects everything steers a canary as much as one that accepts everything),
+# and its counts leave the tenant's totals, so the outlier does not become the baseline the honest users are tested on.
 # Replies: {1, entry id, newly quarantined 0|1} appended as decided; {3, audit id} over the contribution limit;
 #          {4, audit id} user quarantined; {0, "<outcome> <id>"} completionId seen; {2, "<outcome> <id>"} rollout rated.
 APPEND = Script("""
@@ -66,7 +71,11 @@ if rated then
   if redis.call('TTL', KEYS[4]) < 0 then redis.call('EXPIRE', KEYS[4], ARGV[6]) end
 end
 if status ~= 1 then return {status, id} end
-for i = 18, #ARGV - 1, 2 do redis.call('HINCRBY', KEYS[5], ARGV[i], ARGV[i + 1]) end
+for i = 20, #ARGV - 1, 2 do
+  redis.call('HINCRBY', KEYS[5], ARGV[i], ARGV[i + 1])
+  if ARGV[18] ~= '' then redis.call('HINCRBY', KEYS[10], ARGV[18] .. ARGV[i], ARGV[i + 1]) end
+end
+if ARGV[18] ~= '' and #ARGV >= 20 then redis.call('EXPIRE', KEYS[10], ARGV[19]) end
 local fresh = 0
 if ARGV[8] == '1' and ARGV[15] ~= '0' then
   local nu = redis.call('HINCRBY', KEYS[8], 'shown', ARGV[15])
@@ -80,9 +89,16 @@ if ARGV[8] == '1' and ARGV[15] ~= '0' then
   if k > 0 and nu >= least and nr >= least then
     local p = (at - au) / nr
     local sigma = math.max(math.sqrt(p * (1 - p) / nu), 1 / nu)
-    if au / nu > p + k * sigma then
-      local why = 'accept rate ' .. au .. '/' .. nu .. ' vs tenant rest ' .. (at - au) .. '/' .. nr
-      if redis.call('SET', KEYS[7], why, 'NX') then fresh = 1 end
+    local side = ''
+    if au / nu > p + k * sigma then side = 'far above' elseif au / nu < p - k * sigma then side = 'far below' end
+    if side ~= '' then
+      local why = 'accept rate ' .. au .. '/' .. nu .. ' ' .. side .. ' tenant rest ' .. (at - au) .. '/' .. nr
+      if redis.call('SET', KEYS[7], why, 'NX') then
+        fresh = 1
+        -- an outlier no longer shapes its tenant's baseline (else the honest users would look far from it)
+        redis.call('HINCRBY', KEYS[9], 'shown', -nu)
+        redis.call('HINCRBY', KEYS[9], 'accepted', -au)
+      end
     end
   end
 end

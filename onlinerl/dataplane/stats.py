@@ -1,7 +1,9 @@
 """Arm statistics (``stats:v{N}:{arm}`` hashes): counters per (policy version, arm).
 
 Writers: the gateway counts ``served`` (in its record script, ``rollouts``), feedback counts the rest (in its append
-script, ``samples.APPEND``: a counter moves only with the event that rated). Readers: the rollout controller (the
+script, ``samples.APPEND``: a counter moves only with the event that rated). During a canary both also count each
+rollout under its served user in the canary's per-user ledger (``Keys.arm_users``), which ``read_users`` reads for the
+rollout controller's per-user cap. Readers: the rollout controller (the
 canary's figures), the operator and `onlinerl status`. Field names are ``records.COUNTER_FIELDS``.
 """
 
@@ -25,10 +27,23 @@ async def read_async(client: Any, keys: Keys, version: int, arm: Arm) -> ArmStat
     return ArmStats.from_mapping(await client.hgetall(keys.stats(version, arm)))
 
 
+def read_users(client: redis.Redis, keys: Keys, version: int, arm: Arm, canary: int) -> dict[str, ArmStats]:
+    """One canary's per-user ledger of an arm (``Keys.arm_users``): user -> that user's counters (empty when the
+    gateway and feedback wrote none: traffic recorded before the ledgers existed)."""
+    per: dict[str, dict[str, str]] = {}
+    for field, value in str_map(client.hgetall(keys.arm_users(version, arm, canary))).items():
+        user, sep, counter = field.rpartition(":")
+        if sep and user:
+            per.setdefault(user, {})[counter] = value
+    return {user: ArmStats.from_mapping(counts) for user, counts in per.items()}
+
+
 def read_all(client: redis.Redis, keys: Keys) -> dict[tuple[int, str], dict[str, int]]:
-    """Every (version, arm)'s counters (SCAN: for `onlinerl status`, not for a hot path)."""
+    """Every (version, arm)'s counters (SCAN: for `onlinerl status`, not for a hot path; per-user ledgers skipped)."""
     out: dict[tuple[int, str], dict[str, int]] = {}
     for key in client.scan_iter(match=f"{keys.prefix}stats:v*", count=500):
+        if ":users:" in text(key):
+            continue
         version, arm = text(key).rsplit(":", 2)[-2:]
         try:
             out[(int(version[1:]), arm)] = {f: int(float(x)) for f, x in str_map(client.hgetall(key)).items()}

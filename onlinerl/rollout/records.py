@@ -35,6 +35,11 @@ class RolloutState(_Record):
     guardrail_breach_looks: int = Field(0, description="consecutive evaluated looks that broke a guardrail")
     decided_at: float | None = None
     previous_stable: int | None = Field(None, description="for a promoted version: the stable it replaced")
+    kept: bool = Field(
+        False,
+        description="for a promoted version: kept without a proven win (within noise at the last look, or at the "
+        "end of a blue/green watch); the drift guard counts these in a row",
+    )
     reason: str = ""
 
 

@@ -45,6 +45,10 @@ class RolloutStore:
         """Counters of one (version, arm), incl. ``shown_chars`` / ``accepted_chars`` (0 where not counted)."""
         return stats.read(self.r, self.keys, version, arm)
 
+    def arm_users(self, version: int, arm: Arm, canary: int) -> dict[str, ArmStats]:
+        """Canary ``canary``'s per-user counters of (version, arm) (``stats.read_users``)."""
+        return stats.read_users(self.r, self.keys, version, arm, canary)
+
     def decisions(self, count: int = 20) -> list[tuple[str, DecisionRecord]]:
         """The latest ``count`` decisions, oldest first."""
         return decisions.latest(self.r, self.keys, count)

@@ -157,7 +157,7 @@ def test_user_accepting_far_above_the_tenant_is_quarantined_until_released(
     assert [x["status"] for x in replies] == ["accepted_for_training"] * 10 + ["rejected"] * 4
     assert {x["reason"] for x in replies[10:]} == {"quarantined"}
     loud = user_id("key-loud")
-    assert r.get(keys.quarantine("acme", loud)) == b"accept rate 10/10 vs tenant rest 4/20"
+    assert r.get(keys.quarantine("acme", loud)) == b"accept rate 10/10 far above tenant rest 4/20"
     trained = [s["event_id"] for s in stream_entries(r, keys.samples)]
     assert len(trained) == 30 and not {x["_body"]["completionId"] for x in replies[10:]} & set(trained)
     reasons = [a["reason"] for _, a in _audit(r, keys)]

@@ -158,10 +158,10 @@ def test_append_script_never_leaves_a_rollout_hash_without_ttl(r, keys):
     hash_key = keys.rollouts("acme", "gone")
     no_limit = ["0", "0", "", "", "0", "0", "0", "0", "0", "rejected"]  # not subject to the limit step (limits.py)
     argv = ["3600", b'{"x":1}', "0", "accepted_for_training", keys.rated_field("cmpl-x"), "1800", "100000"]
-    argv += [*no_limit, "shown", "1"]
+    argv += [*no_limit, "", "0", "shown", "1"]  # no per-user ledger ('' prefix), then the stats pairs
     per_user = [keys.contrib("acme", "u", 0), keys.quarantine("acme", "u"), keys.user_stats("acme", "u")]
     keys_ = [keys.seen("acme", "c1"), keys.samples, keys.audit, hash_key, keys.stats(0, "stable")]
-    keys_ += [*per_user, keys.user_stats("acme")]
+    keys_ += [*per_user, keys.user_stats("acme"), keys.stats(0, "stable")]  # the last: the unused ledger slot
     created, entry_id, _ = APPEND.run(r, keys_, argv)
     assert created == 1
     assert r.hget(hash_key, keys.rated_field("cmpl-x")) == b"accepted_for_training " + entry_id

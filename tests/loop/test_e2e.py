@@ -128,9 +128,11 @@ def test_every_hop_end_to_end(stack):
     assert adapted == {"1"}  # lastLayers: 1 of the tiny model's 2
     assert r.xlen(keys.samples) == 0  # acknowledged and deleted only after the checkpoint
 
-    async def next_completion():
+    evaluator = dataclasses.replace(client, api_key=ensure_demo_key(stack.paths, "eval"))
+
+    async def next_completion():  # routed as any user (no pin); an eval key is told the version (issue 35)
         async with httpx.AsyncClient(timeout=120) as http:
-            return await client.complete(http, client.template.render(*PROMPTS[0]))
+            return await evaluator.complete(http, evaluator.template.render(*PROMPTS[0]))
 
     # The gateway refreshes its cached policy table and model list in the background (~0.5 s): wait for it.
     served: list = []
@@ -143,8 +145,6 @@ def test_every_hop_end_to_end(stack):
     res = served[-1]
     assert res.status == 200 and res.version >= 1
     assert all(s.status == 200 for s in served)  # no request failed across the switch
-
-    evaluator = dataclasses.replace(client, api_key=ensure_demo_key(stack.paths, "eval"))
 
     async def pinned(version: int, who: ContinueClient = evaluator):
         async with httpx.AsyncClient(timeout=120) as http:

@@ -193,7 +193,15 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iter
             "model": {"path": str(tiny_model_path), "maxModelLen": 1024},
             # requestTimeoutSeconds: a fresh vLLM-CPU compiles for the first concurrent LoRA batch (each replica's
             # own torch.compile cache); under 2 vLLMs on 2 cores that has taken over 60 s, the default.
-            "serving": {"host": "127.0.0.1", "port": free_port(), "replicas": 2, "requestTimeoutSeconds": 240},
+            # routingHeaders all: the clients tell which version served them by the response header (issue 35 hides
+            # it from user keys by default)
+            "serving": {
+                "host": "127.0.0.1",
+                "port": free_port(),
+                "replicas": 2,
+                "requestTimeoutSeconds": 240,
+                "routingHeaders": "all",
+            },
             "rollout": {"strategy": "direct"},
             "storage": {"checkpointDir": str(ckpt)},
         }

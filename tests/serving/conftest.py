@@ -36,8 +36,10 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def write_config(path: Path, **sections: Any) -> Path:
     """A YAML config file (validated now, so a typo fails the test at once). Routed traffic is served at the
-    client's temperature unless a test sets ``serving.explorationTemperature``: figures stay deterministic."""
-    data = _deep_merge({"job": JOB, "serving": {"explorationTemperature": None}}, sections)
+    client's temperature unless a test sets ``serving.explorationTemperature``: figures stay deterministic. Every key
+    sees the arm and version headers (``serving.routingHeaders: all``: these tests observe routing through them)
+    unless a test sets ``privileged``, the product's default (tests/feedback/test_hostile_users_through_gateway.py)."""
+    data = _deep_merge({"job": JOB, "serving": {"explorationTemperature": None, "routingHeaders": "all"}}, sections)
     from_mapping(data)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data))

@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from onlinerl.asgi import Receive, Scope, Send, read_capped, with_hot_route
-from onlinerl.auth import KeyRing, bearer_token
+from onlinerl.auth import KeyRing, bearer_token, reveals_routing
 from onlinerl.config import OnlineRLConfig
 from onlinerl.http_errors import error_object, error_type
 from onlinerl.keys import Keys
@@ -50,6 +50,9 @@ log = logging.getLogger("onlinerl_feedback")
 
 PROJECT_HEADER = b"x-project-id"
 UNKNOWN_TENANT = "unknown"
+# Reply fields only eval and admin keys get: a user who learns which version (so which arm) served it can steer the
+# canary it is in (issue 35); the gateway hides its arm and version headers from user keys for the same reason.
+REVEALED_ONLY = frozenset({"policy_version"})
 
 
 class Reject(Exception):
@@ -176,8 +179,9 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         }
         await reply(send, r.code, body, retry_after_header if r.retry_after else None)
 
-    def authenticate(headers: dict[bytes, bytes]) -> tuple[str, str]:
-        """``(tenant, user)``: the user is the API key's id (limits.py), never anything the client says."""
+    def authenticate(headers: dict[bytes, bytes]) -> tuple[str, str, bool]:
+        """``(tenant, user, reveal)``: the user is the API key's id (limits.py), never anything the client says;
+        ``reveal``: the key may see the policy version it rated (eval and admin keys; never a user key)."""
         authorization = headers.get(b"authorization")
         identity = keyring.identity_for(bearer_token(authorization.decode("latin-1") if authorization else None))
         if identity is None:
@@ -195,7 +199,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             raise Reject(
                 403, "wrong_project", "this API key does not belong to the project in X-Project-ID", tenant=tenant
             )
-        return tenant, user_of(identity.key_id)
+        return tenant, user_of(identity.key_id), reveals_routing(identity, cfg.serving.routing_headers)
 
     async def handle(scope: Scope, receive: Receive, send: Send) -> None:
         headers = request_headers(scope)
@@ -207,7 +211,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
                 f"request body exceeds feedback.maxBodyBytes={fb.max_body_bytes} bytes "
                 f"(Content-Length {declared.decode()})",
             )
-        tenant, user = authenticate(headers)
+        tenant, user, reveal = authenticate(headers)
         try:
             event = parse_event(await read_body(receive, fb.max_body_bytes))
         except Reject as r:
@@ -253,7 +257,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             return await reply(send, 200, out)
         if result.quarantined_now:
             metrics.users_quarantined.labels(tenant).inc()
-            log.warning("tenant %s: user %s quarantined (accept rate far above the tenant's)", tenant, user)
+            log.warning("tenant %s: user %s quarantined (accept rate far above or below the tenant's)", tenant, user)
         metrics.events.labels(decision.status, tenant).inc()
         if decision.status == UNMATCHED or (decision.status == ACCEPTED and decision.reason):
             metrics.join_misses.labels(decision.reason).inc()
@@ -263,7 +267,8 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             if "accepted" in decision.stats:
                 metrics.accepted.labels(*labels).inc()
         id_field = "sample_id" if decision.to_samples else "audit_id"
-        out = {"status": decision.status, **body, id_field: result.entry_id, **decision.details}
+        details = decision.details if reveal else {k: v for k, v in decision.details.items() if k not in REVEALED_ONLY}
+        out = {"status": decision.status, **body, id_field: result.entry_id, **details}
         if decision.reason:
             out["reason"] = decision.reason
         await reply(send, 200, out)

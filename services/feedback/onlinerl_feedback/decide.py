@@ -67,6 +67,8 @@ class Decision:
     details: dict = field(default_factory=dict)  # extra reply fields (rollout_id, match, reward, tokens)
     rates: str = ""  # rollout_id this event rates (sets its rated mark); "" = rates none
     first: str = ""  # duplicate only: "<outcome> <entry id>" of the event that rated the rollout
+    served_user: str = ""  # the rated rollout's user_hash (who was served): its canary's per-user ledger counts it
+    canary: int | None = None  # the rated rollout's canary (RolloutRecord.canary); None: no per-user ledger
 
     @property
     def contributes(self) -> bool:
@@ -107,14 +109,16 @@ def audit_entry(
     ).to_json()
 
 
-def stats_counters(event: CompletionOutcome) -> Counters:
+def stats_counters(accepted: bool, shown_text: str) -> Counters:
     """Counters a rated, server-produced completion bumps. An empty suggestion is not 'shown' (nothing to accept).
-    ``shown_chars``/``accepted_chars`` add the shown text's length in characters (Unicode code points), so the
-    rollout guardrails can tell a policy that gets accepted more by saying less."""
-    if is_empty_suggestion(event.completion):
+    ``shown_chars``/``accepted_chars`` add the length in characters (Unicode code points) of ``shown_text``, the
+    rollout's own shown span (``Join.shown_text``, what the reward pays for), so the rollout guardrails can tell a
+    policy that gets accepted more by saying less. Never the client's claim: the join accepts whitespace around the
+    served text, and one accept padded with 3,000 spaces must not add 3,000 accepted characters to an arm."""
+    if is_empty_suggestion(shown_text):
         return (("empty", 1),)
-    chars = len(event.completion)
-    if event.accepted:
+    chars = len(shown_text)
+    if accepted:
         return (("shown", 1), ("accepted", 1), ("shown_chars", chars), ("accepted_chars", chars))
     return (("shown", 1), ("rejected", 1), ("shown_chars", chars))
 
@@ -234,7 +238,7 @@ def decide(
         return Decision(UNMATCHED, False, audit_entry(event, tenant, prompt, UNMATCHED, reason, now), reason)
 
     r = joined.record
-    counters = stats_counters(event)
+    counters = stats_counters(event.accepted, joined.shown_text)
     base = {"rollout_id": r.rollout_id, "policy_version": r.policy_version, "match": joined.match}
     if r.arm == EVAL or not joined.token_ids or r.sampling.greedy:
         # eval: an evaluation's request, counted under its own arm only. No whole generated token in the shown text:
@@ -251,6 +255,8 @@ def decide(
             r.arm,
             base,
             rates=r.rollout_id,
+            served_user=r.user_hash,
+            canary=r.canary,
         )
     reward = reward_for(event.accepted, joined.shown_text, cfg.reward)
     return Decision(
@@ -263,4 +269,6 @@ def decide(
         r.arm,
         {**base, "reward": reward, "tokens": len(joined.token_ids)},
         rates=r.rollout_id,
+        served_user=r.user_hash,
+        canary=r.canary,
     )

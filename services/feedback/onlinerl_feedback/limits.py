@@ -11,7 +11,11 @@ event the append script (store.py) checks, in the same step as the XADD:
    audited with reason ``contribution_limit``;
 3. otherwise appended as decided, then the user's and the tenant's ``shown``/``accepted`` counters are bumped and the
    anomaly test runs: with at least ``anomalyMinShown`` rated suggestions for the user and for the rest of the
-   tenant, a user whose accept rate exceeds the rest's by more than ``anomalyK`` binomial sigmas is quarantined.
+   tenant, a user whose accept rate is more than ``anomalyK`` binomial sigmas above *or below* the rest's is
+   quarantined (a key that rejects everything steers a canary as surely as one that accepts everything), and its
+   counts leave the tenant's totals (the outlier must not become the baseline the others are tested against). Below
+   needs more evidence than above: at the tenant's rate p, a user who accepts nothing is caught after about
+   k^2 (1 - p) / p rated suggestions (144 at p = 0.1, k = 4).
 
 Either way the event is acknowledged (200, ``status: rejected`` + ``reason``): it was received and recorded, and a 429
 would only make a client retry an event that will never count. Releasing a user (``release``) deletes the mark and the

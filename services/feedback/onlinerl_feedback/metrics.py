@@ -53,7 +53,7 @@ class FeedbackMetrics:
         )
         self.quarantined = Counter(
             "onlinerl_feedback_quarantined_total",
-            "Events audited because their user is quarantined (accept rate far above the tenant's).",
+            "Events audited because their user is quarantined (accept rate far above or below the tenant's).",
             ["tenant"],
             registry=r,
         )

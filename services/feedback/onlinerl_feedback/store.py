@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from onlinerl.config import FeedbackLimitsConfig
 from onlinerl.dataplane import audit, samples
 from onlinerl.dataplane.audit import AUDIT_MAXLEN
-from onlinerl.dataplane.rollouts import Rollouts, parse_rollouts, rollouts_command
+from onlinerl.dataplane.rollouts import LEDGER_TTL_SECONDS, Rollouts, ledger_for, parse_rollouts, rollouts_command
 from onlinerl.keys import Keys
 from onlinerl.schemas import CompletionOutcome
 
@@ -104,6 +104,11 @@ class FeedbackStore:
         unused = self._keys.audit
         counted = bool(decision.rates and decision.counters and decision.version is not None)
         limit = limit_args(self._keys, self._limits, event, tenant, user, prompt, decision)
+        ledger = (
+            ledger_for(self._keys, decision.version, decision.arm, decision.canary, decision.served_user)
+            if counted and decision.version is not None
+            else None
+        )
         keys = [
             self._keys.seen(tenant, event.completion_id),
             self._keys.samples if decision.to_samples else self._keys.audit,
@@ -111,6 +116,7 @@ class FeedbackStore:
             self._keys.rollouts(tenant, prompt) if decision.rates else unused,
             self._keys.stats(decision.version, decision.arm) if counted else unused,
             *limit.keys,
+            ledger[0] if ledger else unused,
         ]
         argv: list = [
             self._ttl,
@@ -121,6 +127,8 @@ class FeedbackStore:
             self._rollout_ttl,
             str(AUDIT_MAXLEN),
             *limit.argv,
+            f"{ledger[1]}:" if ledger else "",
+            str(LEDGER_TTL_SECONDS),
         ]
         if counted:
             argv += [x for pair in decision.counters for x in pair]  # only a rated event bumps counters

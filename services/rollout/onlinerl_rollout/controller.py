@@ -51,9 +51,18 @@ from onlinerl.keys import Keys
 from onlinerl.rollout.records import ArmStats, DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
-from onlinerl_rollout.decision import DecisionRules, Verdict, decide_canary, decide_watch, guardrail_breaches
+from onlinerl_rollout.decision import (
+    DecisionRules,
+    DriftGuard,
+    Verdict,
+    decide_canary,
+    decide_watch,
+    guardrail_breaches,
+    look_index,
+)
 from onlinerl_rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
 from onlinerl_rollout.metrics import RolloutMetrics
+from onlinerl_rollout.per_user import robust_verdict
 from onlinerl_rollout.preview import Preview
 
 log = logging.getLogger("onlinerl_rollout")
@@ -320,12 +329,7 @@ class RolloutController:
         blue = table.canary_share >= 1.0  # everyone on the candidate: no live stable arm, compare with the snapshot
         stable_stats = baseline if blue else self.store.arm_stats(stable, STABLE).minus(baseline)
         now = self.clock()
-        dwell, breaches = now - state.started_at, state.guardrail_breach_looks
-        if blue:
-            v = decide_watch(cand_stats, stable_stats, dwell, state.last_look, self.rules, breaches)
-        else:
-            gated = self.cfg.gate.enabled
-            v = decide_canary(cand_stats, stable_stats, dwell, state.last_look, self.rules, breaches, gated)
+        v = self._verdict(table, state, cand_stats, stable_stats, now - state.started_at)
         self.metrics.observe_canary(
             cand,
             stable,
@@ -361,6 +365,7 @@ class RolloutController:
                     "decided_at": now,
                     "reason": v.reason,
                     "previous_stable": stable if v.action == "promote" else None,
+                    "kept": v.action == "promote" and v.kept,
                 }
             )
             policy = {"candidate": None, "canary_share": 0.0}
@@ -371,6 +376,47 @@ class RolloutController:
             return []
         self._emit(rec)
         return [rec, *(self._maybe_supersede_inconclusive(table, new_state) if v.action == "hold" else [])]
+
+    def _verdict(
+        self, table: PolicyTable, state: RolloutState, cand_stats: ArmStats, stable_stats: ArmStats, dwell: float
+    ) -> Verdict:
+        """This tick's verdict. When the arm counters reach a new look, it is taken on per-user-capped counters and
+        must not rest on one user (per_user.py), from the canary's per-user ledgers; a kept promotion also passes the
+        drift guard (decision.DriftGuard)."""
+        cand, stable = state.version, table.stable
+        blue = table.canary_share >= 1.0
+        rules, last, breaches = self.rules, state.last_look, state.guardrail_breach_looks
+        due = look_index(min(cand_stats.shown, stable_stats.shown), rules.min_samples) > last
+        drift = self._drift(stable) if due else None
+
+        def decide_at(c: ArmStats, s: ArmStats, at: int | None) -> Verdict:
+            if blue:
+                return decide_watch(c, s, dwell, last, rules, breaches, drift, at)
+            return decide_canary(c, s, dwell, last, rules, breaches, self.cfg.gate.enabled, drift, at)
+
+        cand_users = self.store.arm_users(cand, CANDIDATE, cand) if due else {}
+        if not cand_users:  # no look due, or no ledger (counters written before the ledgers existed)
+            return decide_at(cand_stats, stable_stats, None)
+        stable_users = None if blue else self.store.arm_users(stable, STABLE, cand) or None
+        return robust_verdict(
+            decide_at, cand_users, stable_users, stable_stats, rules.min_samples, rules.max_user_share
+        )
+
+    def _drift(self, stable: int) -> DriftGuard:
+        """How many kept promotions lead to ``stable`` from the last proven stable (the anchor), and the anchor's
+        own figures as stable (decision.DriftGuard)."""
+        kept, version, seen = 0, stable, set()
+        while version not in seen and kept <= self.rules.max_kept_in_a_row:
+            seen.add(version)
+            st = self.store.state(version)
+            if st is None or st.state != "promoted" or not st.kept:
+                break
+            kept += 1
+            if st.previous_stable is None:
+                return DriftGuard(kept, None, None)
+            version = st.previous_stable
+        anchor = None if version == stable else self.store.arm_stats(version, STABLE)
+        return DriftGuard(kept, version, anchor)
 
     def _maybe_supersede_inconclusive(self, table: PolicyTable, state: RolloutState) -> list[DecisionRecord]:
         """An inconclusive candidate (equal within noise after ``max_looks``) yields to a newer loaded version."""

@@ -35,7 +35,17 @@ Guards against noise and flapping:
   live point estimates to miss it. Without such a sign, or with ``on_inconclusive: supersede``, the controller lets
   a newer loaded version supersede it (no verdict on its quality). On thin traffic (2 CPU cores, a few requests a
   minute) no look can prove a realistic improvement, and a stable that never moves keeps users, and the trainer's
-  samples, on the base policy: the kept promotion is what lets the loop advance there.
+  samples, on the base policy: the kept promotion is what lets the loop advance there;
+* a drift guard on kept promotions (``DriftGuard``): "no sign of regression against the current stable" alone lets
+  small regressions compound, each kept version a little worse than the one before, each within noise of its
+  predecessor. So a kept promotion (canary, or blue/green's keep at the end of its watch) must also not be credibly
+  worse, on either rate, than the *anchor*: the last stable that was a proven win (a promotion on a credible
+  improvement), or the base or whatever stable the kept chain started from, compared with the anchor's own lifetime
+  stable-arm figures at this look's rollback bar. And at most ``max_kept_in_a_row`` kept promotions follow one
+  another: past that, only a proven win moves stable (an inconclusive canary candidate is superseded, a blue/green
+  one switched back). The comparison with the anchor crosses time (its figures were measured on earlier traffic),
+  so it is only a backstop against a large cumulative drift; the bound is what holds on thin traffic, where no
+  comparison is ever credible.
 
 Blue/green (``decide_watch``): one version serves everyone, so there is no live stable arm; the same ``decide``
 compares the candidate with a frozen snapshot of stable's counters taken at the switch. The snapshot's shown count
@@ -170,6 +180,8 @@ class DecisionRules:
     max_looks: int = 5  # holds from look 5 on (32 x min_samples per arm) are inconclusive
     guardrails: Guardrails = Guardrails()
     on_inconclusive: Literal["promote", "supersede"] = "promote"
+    max_kept_in_a_row: int = 3  # kept promotions in a row without a proven win (DriftGuard)
+    max_user_share: float = 0.25  # of a look, per user and arm (per_user.py)
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig) -> DecisionRules:
@@ -181,6 +193,8 @@ class DecisionRules:
             cfg.max_looks,
             guardrails=Guardrails.from_config(cfg.guardrails),
             on_inconclusive=cfg.on_inconclusive,
+            max_kept_in_a_row=cfg.max_kept_in_a_row,
+            max_user_share=cfg.max_user_share,
         )
 
     def inconclusive(self, last_look: int) -> bool:
@@ -202,6 +216,7 @@ class Verdict:
     stable: ArmStats
     breaches: tuple[str, ...] = ()
     breach_looks: int = 0  # consecutive evaluated looks with a guardrail breach, this one included
+    kept: bool = False  # a promotion without a proven win (kept at the last look / the end of the watch)
 
     @property
     def samples(self) -> int:
@@ -258,12 +273,14 @@ def decide(
     last_look: int,
     rules: DecisionRules,
     breach_looks: int = 0,
+    at_look: int | None = None,
 ) -> Verdict:
     """Promote, roll back or hold, given counters since the candidate started, the last look already tested and the
-    number of consecutive looks before this one that broke a guardrail."""
+    number of consecutive looks before this one that broke a guardrail. ``at_look``: test these counters at that
+    look whatever their size (the per-user check, per_user.py: the same look's verdict with one user left out)."""
     p_rate, p_yield = win_probabilities(candidate, stable)
     n = min(candidate.shown, stable.shown)
-    look = look_index(n, rules.min_samples)
+    look = look_index(n, rules.min_samples) if at_look is None else at_look
     breaches: tuple[str, ...] = ()
 
     def verdict(action: Action, reason: str, evaluated: bool) -> Verdict:
@@ -272,9 +289,9 @@ def decide(
 
     if look < 0:
         return verdict("hold", f"collecting samples: {n} of {rules.min_samples} shown in the smaller arm", False)
-    if dwell_seconds < rules.min_dwell_seconds:
+    if dwell_seconds < rules.min_dwell_seconds and at_look is None:
         return verdict("hold", f"dwell: {dwell_seconds:.0f} s of {rules.min_dwell_seconds:.0f} s", False)
-    if look <= last_look:
+    if look <= last_look and at_look is None:
         nxt = rules.min_samples * 2 ** (last_look + 1)
         return verdict("hold", f"between looks: next look at {nxt} shown per arm (now {n})", False)
     worse = look_threshold(rules.rollback_probability, look)
@@ -315,6 +332,42 @@ def decide(
 NO_SIGN_OF_REGRESSION = 0.5  # P(candidate >= stable) on both rates: the live point estimates are not worse
 
 
+@dataclass(frozen=True)
+class DriftGuard:
+    """Where the current stable stands in its chain of kept promotions (module doc): ``kept_in_a_row`` kept
+    promotions lead from ``anchor`` (the last proven stable, or where the chain starts) to the current stable;
+    ``anchor_stats``: the anchor's lifetime stable-arm counters (None: no anchor to compare with, or it is the
+    current stable itself)."""
+
+    kept_in_a_row: int = 0
+    anchor: int | None = None
+    anchor_stats: ArmStats | None = None
+
+
+def drift_block(v: Verdict, drift: DriftGuard | None, rules: DecisionRules) -> str | None:
+    """Why a kept promotion may not happen (the drift guard), or None when it may."""
+    if drift is None:
+        return None
+    anchor = f"v{drift.anchor}" if drift.anchor is not None else "the chain's start"
+    if drift.kept_in_a_row >= rules.max_kept_in_a_row:
+        return (
+            f"not kept: {drift.kept_in_a_row} kept promotions in a row since the last proven stable {anchor} "
+            f"(rollout.maxKeptInARow {rules.max_kept_in_a_row}); only a proven win moves stable now"
+        )
+    a = drift.anchor_stats
+    if a is None or a.shown < rules.min_samples:
+        return None
+    p_rate, p_yield = win_probabilities(v.candidate, a)
+    worse = look_threshold(rules.rollback_probability, max(v.look, 0))
+    if 1.0 - p_rate >= worse or 1.0 - p_yield >= worse:
+        return (
+            f"not kept: credibly worse than the last proven stable {anchor} (its figures as stable: accept rate "
+            f"{a.accept_rate:.3f}, accepted per 100 {a.accepted_per_100:.1f}; P(candidate < it) = "
+            f"{1 - p_rate:.4f} / {1 - p_yield:.4f}, bar {worse:.4f})"
+        )
+    return None
+
+
 def decide_canary(
     candidate: ArmStats,
     stable: ArmStats,
@@ -323,22 +376,28 @@ def decide_canary(
     rules: DecisionRules,
     breach_looks: int = 0,
     gated: bool = True,
+    drift: DriftGuard | None = None,
+    at_look: int | None = None,
 ) -> Verdict:
     """The canary's verdict: ``decide``, and at the last look a within-noise hold with no sign of regression is
-    kept (promoted) under ``on_inconclusive: promote`` (module doc). ``gated``: the candidate passed the eval gate
-    (``rollout.gate.enabled``), which the reason states."""
-    v = decide(candidate, stable, dwell_seconds, last_look, rules, breach_looks)
+    kept (promoted) under ``on_inconclusive: promote``, unless the drift guard says no (module doc). ``gated``: the
+    candidate passed the eval gate (``rollout.gate.enabled``), which the reason states."""
+    v = decide(candidate, stable, dwell_seconds, last_look, rules, breach_looks, at_look)
     if rules.on_inconclusive != "promote" or not v.evaluated or v.action != "hold" or v.breaches:
         return v
     if v.look < rules.max_looks:
         return v
     if v.p_accept_rate < NO_SIGN_OF_REGRESSION or v.p_yield < NO_SIGN_OF_REGRESSION:
         return v
+    blocked = drift_block(v, drift, rules)
+    if blocked is not None:
+        return replace(v, reason=f"{v.reason}; {blocked}")
     gate = "passed the eval gate" if gated else "no eval gate (disabled)"
     figures = f"P(accept rate) = {v.p_accept_rate:.4f}, P(yield) = {v.p_yield:.4f}, both >= {NO_SIGN_OF_REGRESSION}"
     return replace(
         v,
         action="promote",
+        kept=True,
         reason=f"kept at the last look ({v.look}, {v.samples} shown per arm): {gate}, no sign of live regression "
         f"({figures}; no guardrail broken); within noise, not a proven win",
     )
@@ -357,10 +416,12 @@ def decide_watch(
     last_look: int,
     rules: DecisionRules,
     breach_looks: int = 0,
+    drift: DriftGuard | None = None,
+    at_look: int | None = None,
 ) -> Verdict:
     """Blue/green's verdict: ``decide`` against stable's snapshot, and at the watch window's last look a hold becomes
-    keep (promote) or, with a guardrail still broken, switch back (rollback)."""
-    v = decide(candidate, baseline, dwell_seconds, last_look, rules, breach_looks)
+    keep (promote) or, with a guardrail still broken or the drift guard against it, switch back (rollback)."""
+    v = decide(candidate, baseline, dwell_seconds, last_look, rules, breach_looks, at_look)
     end = watch_last_look(baseline, rules)
     if not v.evaluated or v.action != "hold" or v.look < end:
         return v
@@ -368,9 +429,13 @@ def decide_watch(
         return replace(
             v, action="rollback", reason=f"guardrail broken at the end of the watch window (look {v.look}): {v.reason}"
         )
+    blocked = drift_block(v, drift, rules)
+    if blocked is not None:
+        return replace(v, action="rollback", reason=f"end of the watch window (look {v.look}): {blocked}")
     return replace(
         v,
         action="promote",
+        kept=True,
         reason=f"kept: no live regression by the end of the watch window (look {v.look}, {v.samples} shown "
         f"against stable's snapshot): {v.reason}",
     )

@@ -74,6 +74,7 @@ class RolloutAccumulator:
         sampling: dict[str, Any],
         created_at: float,
         rollout_id: str | None = None,
+        canary: int | None = None,
     ) -> RolloutRecord:
         return RolloutRecord(
             rollout_id=rollout_id or uuid.uuid4().hex,
@@ -92,6 +93,7 @@ class RolloutAccumulator:
             sampling=SamplingParams(**sampling),
             created_at=created_at,
             finished_at=time.time(),
+            canary=canary,
         )
 
 

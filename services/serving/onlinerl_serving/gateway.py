@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from onlinerl.arms import EVAL, STABLE, Arm
+from onlinerl.arms import CANDIDATE, EVAL, STABLE, Arm
 from onlinerl.asgi import ASGIApp, Receive, Scope, Send, read_capped, serve, with_hot_route
-from onlinerl.auth import KeyRing, bearer_token
+from onlinerl.auth import KeyRing, bearer_token, reveals_routing
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.http_errors import error_body
 from onlinerl.keys import Keys
@@ -177,7 +177,17 @@ class Gateway:
             uhash = user_hash(token or "")  # the authenticated key only: a client cannot pick its arm
             if forced is None:  # evaluation measures what users get at their own temperature
                 req = with_exploration(req, self.cfg.serving.exploration_temperature)
-            code, arm, version = await self._complete(scope, receive, send, req, tenant, uhash, t0, forced)
+            code, arm, version = await self._complete(
+                scope,
+                receive,
+                send,
+                req,
+                tenant,
+                uhash,
+                t0,
+                forced,
+                reveal=reveals_routing(identity, self.cfg.serving.routing_headers),
+            )
         except ApiError as err:
             code = err.status
             await _send_response(send, err.status, err.body(), _retry_headers(err))
@@ -252,13 +262,17 @@ class Gateway:
         uhash: str,
         t0: float,
         forced: int | None = None,
+        reveal: bool = False,
     ) -> tuple[int, str, int]:
+        """``reveal``: the key may see which arm and version served it (eval and admin keys: evaluation, tools);
+        a user key never does, so no user can learn whether it is in a canary and steer it (issue 35)."""
         created_at = time.time()
         rollout_id = uuid.uuid4().hex  # ours, known before the first byte: it goes in a response header
         for attempt in (0, 1):
             held = await self._enter_weights(forced)
             try:
                 r, model = self.pick(uhash, forced, held)
+                canary = self.state.policy.candidate if r.arm in (STABLE, CANDIDATE) else None  # pick's table
             except BaseException:  # e.g. 409 for a version not held: release the gate's count at once
                 if held is not None:
                     self.state.weights.leave()
@@ -289,9 +303,10 @@ class Gateway:
                         )
                     await _send_response(send, resp.status_code, body, {})  # vLLM's own 4xx: already OpenAI-shaped
                     return resp.status_code, r.arm, r.version
-                headers = {"x-onlinerl-policy-version": str(r.version), "x-onlinerl-arm": r.arm}
-                headers["x-onlinerl-rollout-id"] = rollout_id
-                ctx = _Ctx(req, tenant, uhash, r, model, rollout_id, created_at, t0, overhead)
+                headers = {"x-onlinerl-rollout-id": rollout_id}
+                if reveal:
+                    headers.update({"x-onlinerl-policy-version": str(r.version), "x-onlinerl-arm": r.arm})
+                ctx = _Ctx(req, tenant, uhash, r, model, rollout_id, created_at, t0, overhead, canary)
                 if req.stream:
                     return await self._relay_stream(resp, ctx, receive, send, headers), r.arm, r.version
                 return await self._relay_body(resp, ctx, receive, send, headers), r.arm, r.version
@@ -342,6 +357,7 @@ class Gateway:
             sampling=sampling_record(ctx.req),
             created_at=ctx.created_at,
             rollout_id=ctx.rollout_id,
+            canary=ctx.canary,
         )
         try:
             acknowledged = await self.rollouts.send(record)
@@ -472,7 +488,7 @@ def _interrupted(message: str) -> dict:
 class _Ctx:
     """One request's routing facts, carried from routing to recording."""
 
-    __slots__ = ("created_at", "model", "overhead", "req", "rollout_id", "route", "t0", "tenant", "uhash")
+    __slots__ = ("canary", "created_at", "model", "overhead", "req", "rollout_id", "route", "t0", "tenant", "uhash")
 
     def __init__(
         self,
@@ -485,9 +501,11 @@ class _Ctx:
         created_at: float,
         t0: float,
         overhead: float,
+        canary: int | None = None,
     ) -> None:
         self.req, self.tenant, self.uhash, self.route, self.model = req, tenant, uhash, route, model
         self.rollout_id, self.created_at, self.t0, self.overhead = rollout_id, created_at, t0, overhead
+        self.canary = canary  # the candidate the table named at routing: the per-user ledger the record counts in
 
 
 def _client_disconnected() -> ApiError:

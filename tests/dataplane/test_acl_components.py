@@ -28,6 +28,7 @@ from onlinerl.schemas import PolicyTable
 from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
 from onlinerl_rollout.controller import EvalRequest, RolloutController
 from onlinerl_rollout.gate import EvalRecord, GateInput
+from tests.engines import SharedEngine
 from tests.feedback.conftest import JOB, KEYS
 from tests.feedback.gateway_stack import gateway_and_feedback
 from tests.rollout.sim import ArmSimulator, Truth, publish_loaded
@@ -185,11 +186,13 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(vk: EmbeddedValkey, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Live]:
+def live(
+    vk: EmbeddedValkey, tmp_path_factory: pytest.TempPathFactory, tiny_lora_engine: SharedEngine
+) -> Iterator[Live]:
     tmp = tmp_path_factory.mktemp("gw")
     tenants = {"acme": list(KEYS["acme"])}
     with gateway_and_feedback(
-        tmp, vk.url_for("serving"), tiny_model_path, tenants, feedback_redis_url=vk.url_for("feedback")
+        tmp, vk.url_for("gateway"), tiny_lora_engine, tenants, feedback_redis_url=vk.url_for("feedback")
     ) as ep:
         user = ContinueClient(ep.api, ep.track, KEYS["acme"][0], "acme", "onlinerl-base", QWEN, max_tokens=8)
         yield Live(user, vk)

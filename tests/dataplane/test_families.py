@@ -77,7 +77,7 @@ def test_apply_with_a_stale_expectation_changes_nothing(redis_client) -> None:
     assert redis_client.exists(K.decisions, K.rollout) == 0  # no record, no verdict: all or nothing
 
 
-def test_decisions_are_read_per_job_and_skip_entries_without_data(valkey, redis_client) -> None:
+def test_decisions_are_read_per_job_and_skip_entries_without_data(empty_valkey, redis_client) -> None:
     decisions.apply(redis_client, OTHER, DecisionRecord(decision="pin", version=1))
     redis_client.xadd(K.decisions, {"junk": "1"})  # not ours: no data field
     entry = decisions.apply(redis_client, K, DecisionRecord(decision="pause"))
@@ -87,11 +87,11 @@ def test_decisions_are_read_per_job_and_skip_entries_without_data(valkey, redis_
         newest = await decisions.latest_async(c, K, 5)
         return [r.decision for _, r in newest], await decisions.after_async(c, K, entry or "0-0")
 
-    assert run_async(valkey.url, both) == (["pause"], [])
+    assert run_async(empty_valkey.url, both) == (["pause"], [])
 
 
 # --- policy: the direct raise ----------------------------------------------------------------------------------------
-def test_raise_stable_refuses_what_the_table_or_a_verdict_forbids(valkey, redis_client) -> None:
+def test_raise_stable_refuses_what_the_table_or_a_verdict_forbids(empty_valkey, redis_client) -> None:
     async def scenario(c: Any) -> list[int]:
         codes = [await policy.raise_stable(c, K, 2)]  # empty table: stable 0 -> 2
         codes.append(await policy.raise_stable(c, K, 1))  # never back
@@ -106,7 +106,7 @@ def test_raise_stable_refuses_what_the_table_or_a_verdict_forbids(valkey, redis_
         codes.append(await policy.raise_stable(c, K, 4))
         return codes
 
-    codes = run_async(valkey.url, scenario)
+    codes = run_async(empty_valkey.url, scenario)
     assert codes == [policy.RAISED, 0, -1, -2, -3, policy.RAISED]
     assert [policy.NOT_RAISED[c] for c in codes[1:5]] == [
         "not newer",
@@ -118,11 +118,11 @@ def test_raise_stable_refuses_what_the_table_or_a_verdict_forbids(valkey, redis_
     assert policy.read(redis_client, OTHER).stable == 0
 
 
-def test_set_field_writes_only_a_change(valkey, redis_client) -> None:
+def test_set_field_writes_only_a_change(empty_valkey, redis_client) -> None:
     async def scenario(c: Any) -> list[bool]:
         return [await policy.set_field(c, K, "pinned", "3"), await policy.set_field(c, K, "pinned", "3")]
 
-    assert run_async(valkey.url, scenario) == [True, False]
+    assert run_async(empty_valkey.url, scenario) == [True, False]
     assert policy.read(redis_client, K).pinned == 3
 
 
@@ -137,13 +137,13 @@ def test_versions_keep_malformed_entries_apart(redis_client) -> None:
     assert table.in_use() == {1, 2, 3}  # unreadable entries are kept by the trainer
 
 
-def test_holds_expire_and_ignore_malformed_fields(valkey, redis_client) -> None:
+def test_holds_expire_and_ignore_malformed_fields(empty_valkey, redis_client) -> None:
     assert holds.hold(redis_client, K, [0, 2, 2, 5], seconds=300) == [2, 5]
     holds.hold(redis_client, K, [7], seconds=-1)
     redis_client.hset(K.holds, mapping={"v9": "9e12", "8": "soon"})
-    assert run_async(valkey.url, lambda c: holds.read_async(c, K)) == {2, 5}
+    assert run_async(empty_valkey.url, lambda c: holds.read_async(c, K)) == {2, 5}
     holds.release(redis_client, K, [2, 7])
-    assert run_async(valkey.url, lambda c: holds.read_async(c, K)) == {5}
+    assert run_async(empty_valkey.url, lambda c: holds.read_async(c, K)) == {5}
 
 
 def test_stats_read_all_skips_foreign_and_malformed_keys(redis_client) -> None:
@@ -155,26 +155,26 @@ def test_stats_read_all_skips_foreign_and_malformed_keys(redis_client) -> None:
     assert stats.read(redis_client, K, 2, STABLE).shown == 0
 
 
-def test_checkpoints_are_read_in_order_with_str_fields(valkey, redis_client) -> None:
+def test_checkpoints_are_read_in_order_with_str_fields(empty_valkey, redis_client) -> None:
     assert checkpoints.last_announced(redis_client, K) == 0
     first = redis_client.xadd(K.checkpoints, {"version": "1", "path": "/c/v1"}).decode()
     redis_client.xadd(K.checkpoints, {"version": "2", "path": "/c/v2"})
     assert checkpoints.last_announced(redis_client, K) == 2
-    got = run_async(valkey.url, lambda c: checkpoints.read_after(c, K, "0"))
+    got = run_async(empty_valkey.url, lambda c: checkpoints.read_after(c, K, "0"))
     assert [f for _, f in got] == [{"version": "1", "path": "/c/v1"}, {"version": "2", "path": "/c/v2"}]
-    later = run_async(valkey.url, lambda c: checkpoints.read_after(c, K, first, block_ms=10))
+    later = run_async(empty_valkey.url, lambda c: checkpoints.read_after(c, K, first, block_ms=10))
     assert [f["version"] for _, f in later] == ["2"]
 
 
 # --- samples, audit, limits ------------------------------------------------------------------------------------------
-def test_backlog_counts_the_group_lag(valkey, redis_client) -> None:
-    assert run_async(valkey.url, lambda c: samples.backlog(c, K)) == (0, 0)  # no stream yet
+def test_backlog_counts_the_group_lag(empty_valkey, redis_client) -> None:
+    assert run_async(empty_valkey.url, lambda c: samples.backlog(c, K)) == (0, 0)  # no stream yet
     for i in range(3):
         samples.add(redis_client, K, orjson.dumps({"i": i}))
-    assert run_async(valkey.url, lambda c: samples.backlog(c, K)) == (3, 3)  # no group: nothing delivered
+    assert run_async(empty_valkey.url, lambda c: samples.backlog(c, K)) == (3, 3)  # no group: nothing delivered
     redis_client.xgroup_create(K.samples, SAMPLES_GROUP, id="0")
     redis_client.xreadgroup(SAMPLES_GROUP, "t", {K.samples: ">"}, count=2)
-    assert run_async(valkey.url, lambda c: samples.backlog(c, K)) == (3, 1)
+    assert run_async(empty_valkey.url, lambda c: samples.backlog(c, K)) == (3, 1)
     assert samples.length(redis_client, K) == 3
     assert [orjson.loads(d)["i"] for _, d in samples.read_all(redis_client, K)] == [0, 1, 2]
 
@@ -192,7 +192,7 @@ def test_sample_entries_without_data_decode_to_empty(redis_client) -> None:
     assert stream.pending_count() == 1
 
 
-def test_audit_append_is_capped_and_returns_the_id(valkey, redis_client) -> None:
+def test_audit_append_is_capped_and_returns_the_id(empty_valkey, redis_client) -> None:
     async def scenario(c: Any) -> str:
         conn = PipelinedConnection(c)
         try:
@@ -200,15 +200,15 @@ def test_audit_append_is_capped_and_returns_the_id(valkey, redis_client) -> None
         finally:
             await conn.close()
 
-    entry_id = run_async(valkey.url, scenario)
+    entry_id = run_async(empty_valkey.url, scenario)
     assert audit.read(redis_client, K) == [(entry_id, b'{"why": "dup"}')]
 
 
-def test_release_drops_the_mark_and_the_users_counters_only(valkey, redis_client) -> None:
+def test_release_drops_the_mark_and_the_users_counters_only(empty_valkey, redis_client) -> None:
     redis_client.set(K.quarantine("acme", "u1"), "why")
     redis_client.hset(K.user_stats("acme", "u1"), "shown", 3)
     redis_client.hset(K.user_stats("acme"), "shown", 9)
-    assert run_async(valkey.url, lambda c: limits.release(c, K, "acme", "u1")) is True
-    assert run_async(valkey.url, lambda c: limits.release(c, K, "acme", "u1")) is False
+    assert run_async(empty_valkey.url, lambda c: limits.release(c, K, "acme", "u1")) is True
+    assert run_async(empty_valkey.url, lambda c: limits.release(c, K, "acme", "u1")) is False
     assert redis_client.exists(K.quarantine("acme", "u1"), K.user_stats("acme", "u1")) == 0
     assert redis_client.hget(K.user_stats("acme"), "shown") == b"9"  # the tenant's figures stay

@@ -29,9 +29,9 @@ def test_sync_runs_once_even_after_the_cache_is_flushed(redis_client: redis.Redi
         FAILS.run(redis_client, [])
 
 
-def test_async_and_piped_run_once_after_a_flush(valkey, redis_client: redis.Redis) -> None:
+def test_async_and_piped_run_once_after_a_flush(empty_valkey, redis_client: redis.Redis) -> None:
     async def main() -> tuple[int, int, int]:
-        client = aioredis.from_url(valkey.url)
+        client = aioredis.from_url(empty_valkey.url)
         conn = PipelinedConnection(client)
         try:
             await client.script_flush()

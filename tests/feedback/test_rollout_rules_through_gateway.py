@@ -37,11 +37,11 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(module_valkey, tmp_path_factory, tiny_model_path) -> Iterator[Stack]:
+def stack(module_valkey, tmp_path_factory, tiny_lora_engine) -> Iterator[Stack]:
     tenants = {"acme": [*KEYS["acme"], {"key": EVAL_KEY, "role": "eval"}]}
     r = redis.Redis.from_url(module_valkey.url)
     try:
-        with gateway_and_feedback(tmp_path_factory.mktemp("gw"), module_valkey.url, tiny_model_path, tenants) as ep:
+        with gateway_and_feedback(tmp_path_factory.mktemp("gw"), module_valkey.url, tiny_lora_engine, tenants) as ep:
             user = ContinueClient(ep.api, ep.track, KEYS["acme"][0], "acme", "onlinerl-base", QWEN, max_tokens=8)
             evaluator = ContinueClient(ep.api, ep.track, EVAL_KEY, "acme", "onlinerl-base", QWEN, max_tokens=8)
             yield Stack(user, evaluator, r, Keys(JOB), ep.feedback)

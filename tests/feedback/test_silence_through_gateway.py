@@ -44,12 +44,12 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(module_valkey, tmp_path_factory, tiny_model_path) -> Iterator[Stack]:
+def stack(module_valkey, tmp_path_factory, tiny_lora_engine) -> Iterator[Stack]:
     tenants = {"acme": [*KEYS["acme"], {"key": EVAL_KEY, "role": "eval"}], "globex": KEYS["globex"]}
     tmp = tmp_path_factory.mktemp("gw")
     r = redis.Redis.from_url(module_valkey.url)
     try:
-        with gateway_and_feedback(tmp, module_valkey.url, tiny_model_path, tenants, silence=SILENCE) as ep:
+        with gateway_and_feedback(tmp, module_valkey.url, tiny_lora_engine, tenants, silence=SILENCE) as ep:
             client = functools.partial(
                 ContinueClient, ep.api, ep.track, model="onlinerl-base", template=QWEN, max_tokens=8
             )

@@ -35,14 +35,14 @@ def _sample(text: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
-def test_two_workers_share_the_port_and_report_pod_wide_metrics(valkey, tmp_path, keys, tokenizer):
+def test_two_workers_share_the_port_and_report_pod_wide_metrics(empty_valkey, tmp_path, keys, tokenizer):
     metrics_dir = tmp_path / "prom"
     metrics_dir.mkdir()
     (metrics_dir / "counter_999999.db").write_bytes(b"stale")  # a previous run's file: must not be summed in
-    r = redis.Redis.from_url(valkey.url)
+    r = redis.Redis.from_url(empty_valkey.url)
     for _ in range(EVENTS):  # one served rollout per event: a rollout is trained at most once
         record_rollout(r, keys, make_rollout(tokenizer, tenant="acme", prompt=PROMPT, completion=COMPLETION))
-    srv = start_feedback(tmp_path, valkey.url, env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}, workers=2)
+    srv = start_feedback(tmp_path, empty_valkey.url, env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}, workers=2)
     try:
         assert len(_children(srv.child.pid)) >= 2  # uvicorn's supervisor and its workers
         bodies = [event(PROMPT, COMPLETION, accepted=i % 2 == 0) for i in range(EVENTS)]

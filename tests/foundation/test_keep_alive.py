@@ -84,8 +84,8 @@ def _idle_then_reuse(port: int, path: str = "/") -> tuple[bytes, bytes]:
         return first, _answer(sock)
 
 
-def test_feedback_service_keeps_idle_connections_as_long(tmp_path: Path, valkey: EmbeddedValkey) -> None:
-    srv = start_feedback(tmp_path, valkey.url)
+def test_feedback_service_keeps_idle_connections_as_long(tmp_path: Path, empty_valkey: EmbeddedValkey) -> None:
+    srv = start_feedback(tmp_path, empty_valkey.url)
     try:
         first, second = _idle_then_reuse(int(srv.url.rsplit(":", 1)[1]), "/healthz")
     finally:

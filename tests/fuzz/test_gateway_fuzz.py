@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from onlinerl.valkey import EmbeddedValkey, free_port
-from onlinerl_serving.engine import start_vllm
 from onlinerl_serving.openapi import openapi_document
 from onlinerl_serving.requests import Limits, parse_completion_request
+from tests.engines import SharedEngine, released
 from tests.fuzz.checks import assert_names, assert_not_5xx, error_of
 from tests.fuzz.schema_strategies import HEADERS, Mutation, from_schema, mutations
 from tests.serving.conftest import KEY_ACME, KEY_EVAL, Gateway, start_gateway, write_config
@@ -41,34 +41,33 @@ OWN_HEADERS = {b"authorization", b"api-key", b"x-onlinerl-version", b"content-ty
 
 @pytest.fixture(scope="module")
 def gateway(
-    tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey, keys_file: Path, tiny_model_path: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    module_valkey: EmbeddedValkey,
+    keys_file: Path,
+    tiny_lora_engine: SharedEngine,
 ) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("gw-fuzz")
-    engine_port, gw_port = free_port(), free_port()
+    gw_port = free_port()
     sections: dict[str, Any] = dict(
+        job="fuzz",
         redis={"url": module_valkey.url},
         auth={"apiKeysFile": str(keys_file)},
-        model={"path": str(tiny_model_path), "maxModelLen": 2048},
+        model={"path": str(tiny_lora_engine.model_path), "maxModelLen": 2048},
         serving={
             "host": "127.0.0.1",
             "port": gw_port,
-            "engineUrl": f"http://127.0.0.1:{engine_port}",
+            "engineUrl": tiny_lora_engine.url,
             "maxPromptChars": MAX_PROMPT_CHARS,
             "maxTokensCap": MAX_TOKENS_CAP,
         },
     )
     cfg_path = write_config(tmp / "config.yaml", **sections)
-    from onlinerl.config import from_mapping
-
-    engine = start_vllm(from_mapping({"job": "t", **sections}), tiny_model_path, tmp / "vllm.log", port=engine_port)
-    try:
+    with released(tiny_lora_engine, "fuzz"):
         gw = start_gateway(cfg_path, tmp / "gateway.log", gw_port)
         try:
             yield gw
         finally:
             gw.child.stop()
-    finally:
-        engine.stop(timeout=5)
 
 
 @pytest.fixture(scope="module")

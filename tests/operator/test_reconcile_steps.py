@@ -34,8 +34,8 @@ def applies(cluster: Cluster, resource: str, name: str) -> list[Any]:
     ]
 
 
-async def test_clearing_an_optional_field_removes_it_from_the_applied_manifest(cluster: Cluster, valkey) -> None:
-    spec = base_spec(valkey.url, ingress={"enabled": True, "host": "rl.example.com", "tlsSecret": "rl-tls"})
+async def test_clearing_an_optional_field_removes_it_from_the_applied_manifest(cluster: Cluster, empty_valkey) -> None:
+    spec = base_spec(empty_valkey.url, ingress={"enabled": True, "host": "rl.example.com", "tlsSecret": "rl-tls"})
     await cluster.apply_job("demo", spec)
     await wait_until(lambda: cluster.obj("Ingress", "demo"), what="ingress")
     generation = await cluster.patch_spec("demo", {"serving": {"replicas": 2}})
@@ -86,7 +86,9 @@ REASONS = {403: "ApiForbidden", 409: "ApiConflict", 422: "ApiInvalid", 500: "Api
 
 @pytest.mark.parametrize("code", sorted(REASONS))
 @pytest.mark.parametrize("step", list(STEPS))
-async def test_a_refused_step_is_a_typed_condition_then_retried(cluster: Cluster, valkey, step: str, code: int) -> None:
+async def test_a_refused_step_is_a_typed_condition_then_retried(
+    cluster: Cluster, empty_valkey, step: str, code: int
+) -> None:
     """The job runs; then the API refuses the request one step makes, twice. The refusal shows as the typed reason of
     the Degraded condition, naming the step; the step is retried after its kind's delay (RetryPolicy) and the job
     recovers."""
@@ -95,7 +97,7 @@ async def test_a_refused_step_is_a_typed_condition_then_retried(cluster: Cluster
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {"name": "demo-redis-url", "namespace": NS},
-        "data": {"url": base64.b64encode(valkey.url.encode()).decode()},
+        "data": {"url": base64.b64encode(empty_valkey.url.encode()).decode()},
     }
     await cluster.kube.create(secret)
     await cluster.apply_job("demo", {"auth": {"allowAnonymous": True}, "redis": {"urlSecret": "demo-redis-url"}})

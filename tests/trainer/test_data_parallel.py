@@ -41,10 +41,10 @@ def test_shards_cover_every_micro_batch_once_and_ranks_run_equal_passes():
 
 
 @pytest.mark.timeout(600)
-def test_two_ranks_publish_what_one_process_would(tmp_path, redis_client, valkey, tiny_model_path):
+def test_two_ranks_publish_what_one_process_would(tmp_path, redis_client, empty_valkey, tiny_model_path):
     cfg = trainer_config(
         tmp_path / "ckpt",
-        valkey.url,
+        empty_valkey.url,
         tiny_model_path,
         engine="deepspeed",
         zeroStage=2,

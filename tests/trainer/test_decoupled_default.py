@@ -33,12 +33,12 @@ def enc(tiny_model_path: Path):
     return lambda s: tok.encode(s, add_special_tokens=False)
 
 
-def _one_step_on_mismatched_accepts(tmp_path, redis_client, valkey, tiny_model_path, enc, **algorithm):
+def _one_step_on_mismatched_accepts(tmp_path, redis_client, empty_valkey, tiny_model_path, enc, **algorithm):
     """One default trainer step on 8 accepts whose recorded log-probs are MISMATCH below the trainer's.
     Returns the step's statistics and the summed log-prob of each completion before and after it."""
     redis_client.flushdb()
     algo = AlgorithmConfig().model_dump(by_alias=True, exclude={"staleness"}) | algorithm
-    cfg = trainer_config(tmp_path, valkey.url, tiny_model_path, checkpoint={"everySteps": 100}, algorithm=algo)
+    cfg = trainer_config(tmp_path, empty_valkey.url, tiny_model_path, checkpoint={"everySteps": 100}, algorithm=algo)
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
     rows = [(enc(PROMPT), enc(ACCEPTED[i % len(ACCEPTED)])) for i in range(cfg.trainer.batch_size)]
@@ -58,9 +58,9 @@ def _one_step_on_mismatched_accepts(tmp_path, redis_client, valkey, tiny_model_p
     return stats, [sum(x) for x in before], [sum(x) for x in after]
 
 
-def test_the_default_clips_against_the_trainers_weights(tmp_path, redis_client, valkey, tiny_model_path, enc):
+def test_the_default_clips_against_the_trainers_weights(tmp_path, redis_client, empty_valkey, tiny_model_path, enc):
     assert AlgorithmConfig().old_logprobs == "recompute"
-    stats, before, after = _one_step_on_mismatched_accepts(tmp_path, redis_client, valkey, tiny_model_path, enc)
+    stats, before, after = _one_step_on_mismatched_accepts(tmp_path, redis_client, empty_valkey, tiny_model_path, enc)
     assert AlgorithmConfig().ppo_epochs == 1  # one epoch: the ratio is pi_theta / pi_old = 1 on every token
     assert stats["clip_fraction"] == 0.0, stats
     assert stats["is_weight_mean"] == pytest.approx(AlgorithmConfig().is_truncation, rel=1e-4), stats  # min(3, 2)
@@ -68,11 +68,11 @@ def test_the_default_clips_against_the_trainers_weights(tmp_path, redis_client, 
 
 
 def test_clipped_against_the_served_policy_a_stale_accept_teaches_nothing(
-    tmp_path, redis_client, valkey, tiny_model_path, enc
+    tmp_path, redis_client, empty_valkey, tiny_model_path, enc
 ):
     """The same batch under ``oldLogprobs: behaviour``: ratio 3 > 1 + clipEps on every token, all of it clipped."""
     stats, before, after = _one_step_on_mismatched_accepts(
-        tmp_path, redis_client, valkey, tiny_model_path, enc, oldLogprobs="behaviour"
+        tmp_path, redis_client, empty_valkey, tiny_model_path, enc, oldLogprobs="behaviour"
     )
     assert stats["clip_fraction"] == 1.0, stats
     assert after == pytest.approx(before, abs=1e-6)

@@ -38,10 +38,10 @@ def batch_of(n: int, seed: int):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_matches_plain_torch_and_guards_nonfinite(tmp_path, valkey, tiny_model_path, stage):
+def test_zero_matches_plain_torch_and_guards_nonfinite(tmp_path, empty_valkey, tiny_model_path, stage):
     cfg = trainer_config(
         tmp_path,
-        valkey.url,
+        empty_valkey.url,
         tiny_model_path,
         microBatchSize=4,
         zeroStage=stage,
@@ -103,8 +103,8 @@ def test_zero_matches_plain_torch_and_guards_nonfinite(tmp_path, valkey, tiny_mo
     assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
 
 
-def test_deepspeed_trainer_publishes_and_resumes(tmp_path, redis_client, valkey, tiny_model_path):
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, engine="deepspeed", microBatchSize=4)
+def test_deepspeed_trainer_publishes_and_resumes(tmp_path, redis_client, empty_valkey, tiny_model_path):
+    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path, engine="deepspeed", microBatchSize=4)
     first = Trainer(cfg, redis_client, tiny_model_path)
     assert first.engine.name == "deepspeed"
     first.start()

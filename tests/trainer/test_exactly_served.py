@@ -1,6 +1,6 @@
 """The trainer trains exactly what was served, once, from a verified checkpoint (issue 15).
 
-Real valkey, the tiny model, the real Trainer. A Redis failover is simulated on the real stream: DUMP the samples
+Real empty_valkey, the tiny model, the real Trainer. A Redis failover is simulated on the real stream: DUMP the samples
 key while its entries are delivered but unacknowledged (what a lagging replica holds), RESTORE it after the publish
 acknowledged them, and XGROUP SETID the group back to 0 (the lost last-delivered id).
 """
@@ -61,8 +61,10 @@ class SeeingTrainer(Trainer):
         return super()._update(batch, advantages)
 
 
-def test_redelivered_trained_ids_are_acknowledged_without_training(tmp_path, redis_client, valkey, tiny_model_path):
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path)
+def test_redelivered_trained_ids_are_acknowledged_without_training(
+    tmp_path, redis_client, empty_valkey, tiny_model_path
+):
+    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path)
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
     first = xadd_samples(redis_client, mixed(4))
@@ -101,9 +103,9 @@ def test_redelivered_trained_ids_are_acknowledged_without_training(tmp_path, red
 
 
 def test_tampered_latest_checkpoint_is_refused_and_the_previous_one_resumed(
-    tmp_path, redis_client, valkey, tiny_model_path, caplog
+    tmp_path, redis_client, empty_valkey, tiny_model_path, caplog
 ):
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path)
+    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path)
     first = Trainer(cfg, redis_client, tiny_model_path)
     first.start()
     v1_ids = xadd_samples(redis_client, mixed(4))
@@ -144,8 +146,8 @@ def test_tampered_latest_checkpoint_is_refused_and_the_previous_one_resumed(
     assert stream_ids(redis_client) == set()
 
 
-def test_a_sample_is_trained_whole_or_dropped_never_cut(tmp_path, redis_client, valkey, tiny_model_path):
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm={"baseline": "none"})
+def test_a_sample_is_trained_whole_or_dropped_never_cut(tmp_path, redis_client, empty_valkey, tiny_model_path):
+    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path, algorithm={"baseline": "none"})
     assert cfg.trainer.max_seq_len == 256
     trainer = SeeingTrainer(cfg, redis_client, tiny_model_path)
     trainer.start()
@@ -190,9 +192,9 @@ def test_sample_checks_name_the_problem():
 
 
 def test_hostile_samples_are_acknowledged_counted_and_the_trainer_keeps_running(
-    tmp_path, redis_client, valkey, tiny_model_path
+    tmp_path, redis_client, empty_valkey, tiny_model_path
 ):
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, batchTimeoutSeconds=0.2)
+    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path, batchTimeoutSeconds=0.2)
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
     stop = threading.Event()

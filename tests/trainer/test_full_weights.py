@@ -12,10 +12,10 @@ from .conftest import make_sample, trainer_config, xadd_samples
 PROMPT = [1604, 803, 24, 81, 28, 278, 727]
 
 
-def test_full_weights_publish_load_and_resume(tmp_path, redis_client, valkey, tiny_model_path):
+def test_full_weights_publish_load_and_resume(tmp_path, redis_client, empty_valkey, tiny_model_path):
     cfg = trainer_config(
         tmp_path / "ckpt",
-        valkey.url,
+        empty_valkey.url,
         tiny_model_path,
         weights="full",
         batchSize=4,

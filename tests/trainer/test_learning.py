@@ -55,11 +55,13 @@ def ending_logprob(trainer: Trainer, prompts, body, token) -> float:
     return sum(lps[-1] for lps in logprobs_now(trainer, rows)) / len(rows)
 
 
-def test_reward_moves_the_policy_and_versions_are_published(tmp_path, redis_client, valkey, tiny_model_path, tokens):
+def test_reward_moves_the_policy_and_versions_are_published(
+    tmp_path, redis_client, empty_valkey, tiny_model_path, tokens
+):
     prompts, body, newline, foo = tokens
     cfg = trainer_config(
         tmp_path / "ckpt",
-        valkey.url,
+        empty_valkey.url,
         tiny_model_path,
         checkpoint={"everySteps": 10},
         # The mechanics of learning on a symmetric signal (batch baseline: +0.5 / -0.5): both endings at full

@@ -38,14 +38,14 @@ def enc(tiny_model_path: Path):
     return lambda s: tok.encode(s, add_special_tokens=False)
 
 
-def _after_a_production_mix(tmp_path, redis_client, valkey, tiny_model_path, enc, second: list[tuple[str, str]]):
+def _after_a_production_mix(tmp_path, redis_client, empty_valkey, tiny_model_path, enc, second: list[tuple[str, str]]):
     """A trainer on the product's defaults takes the tenant's first batch (one accept in eight, as real traffic
     mixes them), then one step on rejects of ``second`` (prompt, completion pairs). Returns log p(REJECTED | PROMPT)
     before and after that second step, the step's statistics and the trainer."""
     redis_client.flushdb()
     reward = RewardConfig()
     cfg = trainer_config(
-        tmp_path, valkey.url, tiny_model_path, checkpoint={"everySteps": 100}, algorithm=_product_algorithm()
+        tmp_path, empty_valkey.url, tiny_model_path, checkpoint={"everySteps": 100}, algorithm=_product_algorithm()
     )
     assert cfg.trainer.algorithm.baseline == AlgorithmConfig().baseline
     assert cfg.trainer.algorithm.learning_rate == AlgorithmConfig().learning_rate
@@ -78,7 +78,7 @@ def _after_a_production_mix(tmp_path, redis_client, valkey, tiny_model_path, enc
     return sum(before), sum(after), stats, trainer
 
 
-def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, valkey, tiny_model_path, enc):
+def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, empty_valkey, tiny_model_path, enc):
     """In the middle of training, a step moves the policy by Adam's momentum as well as by its own gradient: with the
     rejects at a fraction of their push (negativeWeight) the previous step's accept can outweigh them. What the
     reject itself does is measured against a twin: the same trainer state (same seed, same first batch) taking the
@@ -87,10 +87,10 @@ def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, valkey,
     reward = RewardConfig()
     assert reward.rejected < 0 < reward.accepted  # the product's default reward penalises a reject
     twin_before, twin_after, _, _ = _after_a_production_mix(
-        tmp_path / "twin", redis_client, valkey, tiny_model_path, enc, [(UNRELATED_PROMPT, UNRELATED)]
+        tmp_path / "twin", redis_client, empty_valkey, tiny_model_path, enc, [(UNRELATED_PROMPT, UNRELATED)]
     )
     before, after, stats, trainer = _after_a_production_mix(
-        tmp_path / "reject", redis_client, valkey, tiny_model_path, enc, [(PROMPT, REJECTED)]
+        tmp_path / "reject", redis_client, empty_valkey, tiny_model_path, enc, [(PROMPT, REJECTED)]
     )
     assert before == pytest.approx(twin_before, abs=1e-5)  # the same state before the step: a fair twin
     own = (after - before) - (twin_after - twin_before)
@@ -110,9 +110,9 @@ def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, valkey,
         assert stats["kl"] >= 0.0
 
 
-def test_a_tenants_first_batch_of_rejects_moves_the_policy(tmp_path, redis_client, valkey, tiny_model_path, enc):
+def test_a_tenants_first_batch_of_rejects_moves_the_policy(tmp_path, redis_client, empty_valkey, tiny_model_path, enc):
     reward = RewardConfig()
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=_product_algorithm())
+    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path, algorithm=_product_algorithm())
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
     prompt, rejected = enc(PROMPT), enc(REJECTED)

@@ -10,15 +10,17 @@ from onlinerl_trainer.policy import load_policy
 from .conftest import trainer_config
 
 
-def test_resume_applies_the_configured_learning_rate(tmp_path, valkey, tiny_model_path):
-    old = trainer_config(tmp_path, valkey.url, tiny_model_path, algorithm={"learningRate": 1e-3})
+def test_resume_applies_the_configured_learning_rate(tmp_path, empty_valkey, tiny_model_path):
+    old = trainer_config(tmp_path, empty_valkey.url, tiny_model_path, algorithm={"learningRate": 1e-3})
     engine = TorchEngine(load_policy(tiny_model_path, old.trainer), old.trainer)
     loss = sum(p.sum() for p in engine.params)
     loss.backward()
     engine.step()  # creates Adam moments worth keeping
     engine.save_state(tmp_path)
 
-    new = trainer_config(tmp_path, valkey.url, tiny_model_path, algorithm={"learningRate": 3e-4, "weightDecay": 0.01})
+    new = trainer_config(
+        tmp_path, empty_valkey.url, tiny_model_path, algorithm={"learningRate": 3e-4, "weightDecay": 0.01}
+    )
     resumed = TorchEngine(load_policy(tiny_model_path, new.trainer), new.trainer)
     resumed.load_state(tmp_path)
     groups = resumed.optimizer.param_groups

@@ -37,10 +37,10 @@ def counter(trainer: Trainer, line: str) -> float:
     raise AssertionError(f"{line} not in metrics")
 
 
-def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_client, valkey, tiny_model_path):
+def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_client, empty_valkey, tiny_model_path):
     cfg = trainer_config(
         tmp_path / "ckpt",
-        valkey.url,
+        empty_valkey.url,
         tiny_model_path,
         batchTimeoutSeconds=0.3,
         checkpoint={"keep": 2},
@@ -118,9 +118,11 @@ def test_time_batches_invalid_entries_staleness_and_retention(tmp_path, redis_cl
     assert counter(trainer, "onlinerl_trainer_sample_staleness_versions_count") == admitted
 
 
-def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_client, valkey, tiny_model_path):
+def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_client, empty_valkey, tiny_model_path):
     """1/0 rewards, no baseline, no KL: a reject has no gradient, so it costs no forward pass (and is not lost)."""
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.0})
+    cfg = trainer_config(
+        tmp_path / "ckpt", empty_valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.0}
+    )
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
     ids = xadd_samples(redis_client, [sample(i, reward=1.0 if i == 0 else 0.0) for i in range(4)])
@@ -138,7 +140,7 @@ def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_
 
     # With a KL term every sample has a gradient again: nothing is skipped (advantages.select_trainable).
     cfg_kl = trainer_config(
-        tmp_path / "ckpt2", valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.1}
+        tmp_path / "ckpt2", empty_valkey.url, tiny_model_path, algorithm={"baseline": "none", "klCoef": 0.1}
     )
     chosen = select_trainable(["1-0", "2-0"], [1.0, 0.0], ["acme", "acme"], cfg_kl.trainer.algorithm, None)
     assert (chosen.train, chosen.advantages, chosen.inert) == ([0, 1], [1.0, 0.0], [])
@@ -146,13 +148,13 @@ def test_zero_advantage_samples_are_acknowledged_without_a_pass(tmp_path, redis_
 
 @pytest.mark.parametrize(("weight", "kept_reject"), [(1.0, -0.5), (0.5, -0.25)])
 def test_negative_samples_are_subsampled_with_their_weight_and_nothing_is_left_pending(
-    tmp_path, redis_client, valkey, tiny_model_path, weight, kept_reject
+    tmp_path, redis_client, empty_valkey, tiny_model_path, weight, kept_reject
 ):
     """negativeSampleRate 0.5 through a real stream: every accept is trained, about half the rejects are trained at
     negativeWeight / 0.5 of their advantage (weight 1: twice it, the same expected gradient; weight 0.5 = the rate,
     the cpu profile's choice: their own advantage), the rest are acknowledged untrained and counted."""
     algo = {"baseline": "none", "negativeSampleRate": 0.5, "negativeWeight": weight}
-    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path, algorithm=algo, batchSize=16)
+    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path, algorithm=algo, batchSize=16)
     trainer = Trainer(cfg, redis_client, tiny_model_path)
     trainer.start()
     assert trainer.feed.entries_per_batch() == 32  # about 16 trainable ones when nearly every event is a reject

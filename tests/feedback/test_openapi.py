@@ -62,7 +62,8 @@ def test_document_describes_the_route_the_service_validates_with(document: dict[
     assert document["openapi"] == "3.1.0"
     op = document["paths"][SUBMIT]["post"]
     assert op["security"] == [{"bearer": []}]
-    assert [p["name"] for p in op["parameters"] if p["required"]] == ["X-Project-ID"]
+    assert [p["name"] for p in op["parameters"]] == ["X-Project-ID"]  # optional: the key names its project
+    assert not any(p["required"] for p in op["parameters"])
     body = document["components"]["schemas"]["Outcome"]
     expected = CompletionOutcome.model_json_schema(by_alias=True)
     assert body["properties"] == expected["properties"] and body["required"] == ["completionId", "accepted"]
@@ -75,7 +76,6 @@ def test_document_describes_the_route_the_service_validates_with(document: dict[
 REFUSALS = [
     ("no key", {"Content-Type": "application/json"}, None, 401, "unauthorized", None),
     ("unknown key", {**auth(), "Authorization": "Bearer nope"}, None, 401, "unauthorized", None),
-    ("missing project", {"Authorization": f"Bearer {KEYS['acme'][0]}"}, None, 403, "missing_project", None),
     ("another tenant's project", {**auth(), "X-Project-ID": "globex"}, None, 403, "wrong_project", None),
     ("oversized", auth(), b"{" + b" " * (MAX_BODY + 1) + b"}", 413, "body_too_large", None),
     ("broken JSON", auth(), b'{"completionId": ', 422, "invalid_json", None),

@@ -138,7 +138,7 @@ def expected(token: str | None, project: str | bytes | None) -> tuple[int, str]:
         return 401, "API key"
     raw = project.encode() if isinstance(project, str) else project
     raw = (raw or b"").strip(b" \t")  # servers strip a header value's surrounding whitespace
-    if raw.decode("latin-1") != tenant:
+    if raw and raw.decode("latin-1") != tenant:  # no (or an empty) X-Project-ID: the key names its project
         return 403, "X-Project-ID"
     return 200, ""
 

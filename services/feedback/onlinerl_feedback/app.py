@@ -1,13 +1,16 @@
-"""HTTP layer of the feedback service: ``POST /api/training/submit`` plus health, readiness and metrics.
+"""HTTP layer of the feedback service: ``POST /api/training/submit`` (the AutocompleteOutcome itself: the fork's
+``completionTrackingUrl``, our simulator) and ``POST /api/training/data`` (stock Continue's ``data:`` destination: the
+same outcome inside Continue's dev-data envelope, envelope.py), plus health, readiness and metrics.
 
-The submit route is plain ASGI in front of the FastAPI app (``onlinerl.asgi.with_hot_route``): it is the only hot
+The two upload routes are plain ASGI in front of the FastAPI app (``onlinerl.asgi.with_hot_route``): it is the only hot
 path, and FastAPI's middleware stack, request object and dependency solving cost about a quarter of the server's CPU
 per event there (py-spy, bench/feedback_load.py). Everything else (health, metrics, 404/405) stays FastAPI.
 
 Order of checks, cheapest first, so a stranger never makes us read or parse a body: declared size (413), bearer key
-(401), project (403), streamed size (413), JSON and fields (422), backlog (429), then the Redis work (503 when Redis
-does not answer). Every reply carries ``status``; errors also carry the OpenAI-style ``error`` object.
-A 200 is sent only after Redis acknowledged the append (see store.py).
+(401), project (403: only when ``X-Project-ID`` names another project than the key's; without the header the key's
+own project is used, since a key belongs to one project), streamed size (413), JSON and fields (422), backlog (429),
+then the Redis work (503 when Redis does not answer). Every reply carries ``status``; errors also carry the
+OpenAI-style ``error`` object. A 200 is sent only after Redis acknowledged the append (see store.py).
 """
 
 from __future__ import annotations
@@ -31,15 +34,16 @@ from onlinerl.asgi import Receive, Scope, Send, read_capped, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token, reveals_routing
 from onlinerl.config import OnlineRLConfig
 from onlinerl.http_errors import error_object, error_type
-from onlinerl.keys import Keys
-from onlinerl.schemas import CompletionOutcome
+from onlinerl.keys import Keys, prompt_digest
+from onlinerl.schemas import AuditEntry, CompletionOutcome
 from onlinerl.tokens import TokenTable
 
 from .backlog import BacklogMonitor
-from .decide import ACCEPTED, CONTRIBUTION_LIMIT, DUPLICATE, REJECTED, UNMATCHED, decide
+from .decide import ACCEPTED, AUDIT_TEXT_LIMIT, CONTRIBUTION_LIMIT, DUPLICATE, REJECTED, UNMATCHED, decide
+from .envelope import Envelope, EnvelopeError, Kind, parse_envelope
 from .limits import user_of
 from .metrics import FeedbackMetrics
-from .openapi import SUBMIT_PATH, openapi_document
+from .openapi import DATA_PATH, SUBMIT_PATH, openapi_document
 from .pipeliner import Pipeliner, RedisUnavailable
 from .prompts import configured_template, event_prompt
 from .raters import rater_of
@@ -53,6 +57,8 @@ UNKNOWN_TENANT = "unknown"
 # Reply fields only eval and admin keys get: a user who learns which version (so which arm) served it can steer the
 # canary it is in (issue 35); the gateway hides its arm and version headers from user keys for the same reason.
 REVEALED_ONLY = frozenset({"policy_version"})
+IGNORED = "ignored"  # a Continue event that is not an autocomplete outcome: counted by name, nothing written
+WARNED_SCHEMAS_MAX = 64  # unknown schema versions warned about once each; a client picks them, so the set is capped
 
 
 class Reject(Exception):
@@ -117,12 +123,40 @@ def parse_event(body: bytes) -> CompletionOutcome:
         raise Reject(422, "invalid_json", f"body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise Reject(422, "invalid_body", "body must be a JSON object (Continue's AutocompleteOutcome)")
+    return outcome_of(data)
+
+
+def outcome_of(data: dict, where: str = "") -> CompletionOutcome:
+    """``data`` as an AutocompleteOutcome, or a 422 naming the field at fault (``where``: its path's prefix)."""
     try:
         return CompletionOutcome.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
+        field = where + (".".join(str(p) for p in first["loc"]) or "body")
         raise Reject(422, "invalid_field", f"field {field!r}: {first['msg']}", param=field) from None
+
+
+def parse_data_envelope(body: bytes) -> Envelope:
+    try:
+        return parse_envelope(body)
+    except EnvelopeError as exc:
+        raise Reject(422, exc.reason, exc.message, param=exc.param) from None
+
+
+def envelope_audit_entry(env: Envelope, tenant: str, reason: str) -> bytes:
+    """The audit record of an envelope that is never trained (no code, unknown schema): what it was, and why."""
+    completion = env.data.get("completion")
+    prompt = env.data.get("prompt")
+    return AuditEntry(
+        event_id=env.completion_id or env.name[:64],
+        tenant=tenant,
+        outcome=REJECTED,
+        reason=reason,
+        accepted=env.accepted,
+        completion=completion[:AUDIT_TEXT_LIMIT] if isinstance(completion, str) else "",
+        prompt_digest=prompt_digest(prompt) if isinstance(prompt, str) else "",
+        received_at=time.time(),
+    ).to_json()
 
 
 def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: TokenTable) -> FastAPI:
@@ -187,21 +221,15 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         if identity is None:
             raise Reject(401, "unauthorized", "missing or unknown API key: send `Authorization: Bearer <key>`")
         tenant = identity.tenant
-        project = headers.get(PROJECT_HEADER)
-        if not project:
-            raise Reject(
-                403,
-                "missing_project",
-                "header X-Project-ID is required and must name your project (Continue: completionTrackingHeaders)",
-                tenant=tenant,
-            )
-        if project.decode("latin-1") != tenant:
+        project = headers.get(PROJECT_HEADER)  # optional: a key belongs to one project, which it names by itself
+        if project and project.decode("latin-1") != tenant:
             raise Reject(
                 403, "wrong_project", "this API key does not belong to the project in X-Project-ID", tenant=tenant
             )
         return tenant, user_of(identity.key_id), reveals_routing(identity, cfg.serving.routing_headers)
 
-    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+    async def admit(scope: Scope, receive: Receive) -> tuple[dict[bytes, bytes], str, str, bool, bytes]:
+        """The checks both upload routes share, up to the body: ``(headers, tenant, user, reveal, body)``."""
         headers = request_headers(scope)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > fb.max_body_bytes:
@@ -213,10 +241,72 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             )
         tenant, user, reveal = authenticate(headers)
         try:
-            event = parse_event(await read_body(receive, fb.max_body_bytes))
+            return headers, tenant, user, reveal, await read_body(receive, fb.max_body_bytes)
         except Reject as r:
             r.tenant = tenant
             raise
+
+    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+        headers, tenant, user, reveal, body = await admit(scope, receive)
+        try:
+            event = parse_event(body)
+        except Reject as r:
+            r.tenant = tenant
+            raise
+        await record(send, headers, event, tenant, user, reveal)
+
+    def redis_down(exc: Exception, tenant: str) -> Reject:
+        log.warning("redis unavailable: %s", exc)
+        return Reject(
+            503,
+            "redis_unavailable",
+            "event store unavailable, nothing was recorded; retry later",
+            retry_after=True,
+            tenant=tenant,
+        )
+
+    warned_schemas: set[str] = set()
+
+    async def handle_envelope(scope: Scope, receive: Receive, send: Send) -> None:
+        """Stock Continue's dev-data upload: an autocomplete outcome at level all is recorded exactly as the direct
+        upload (same reply); a noCode outcome or an unknown schema is audited and answered 200; any other event is
+        counted by name and answered 200 (envelope.py says why every one of them must get a 2xx)."""
+        headers, tenant, user, reveal, body = await admit(scope, receive)
+        try:
+            env = parse_data_envelope(body)
+            kind = env.kind
+            event = outcome_of(env.data, "data.") if kind is Kind.OUTCOME else None
+        except Reject as r:
+            r.tenant = tenant
+            raise
+        metrics.continue_events.labels(env.name_label, env.schema_label).inc()
+        if event is not None:
+            return await record(send, headers, event, tenant, user, reveal)
+        if kind is Kind.IGNORED:
+            return await reply(send, 200, {"status": IGNORED, "name": env.name_label, "tenant": tenant})
+        new_schema = env.schema not in warned_schemas and len(warned_schemas) < WARNED_SCHEMAS_MAX
+        if kind is Kind.UNKNOWN_SCHEMA and new_schema:
+            warned_schemas.add(env.schema)
+            log.warning(
+                "Continue sent dev-data schema %r (known: 0.1.0, 0.2.0): its events are audited, not trained; "
+                "a Continue upgrade may need a new parser",
+                env.schema[:64],
+            )
+        assert deps is not None
+        try:
+            audit_id = await deps.store.audit(envelope_audit_entry(env, tenant, kind.value))
+        except (RedisUnavailable, RedisError, OSError) as exc:
+            raise redis_down(exc, tenant) from None
+        metrics.events.labels(REJECTED, tenant).inc()
+        out = {"status": REJECTED, "reason": kind.value, "tenant": tenant, "audit_id": audit_id, "name": env.name_label}
+        if env.completion_id:
+            out["completion_id"] = env.completion_id
+        await reply(send, 200, out)
+
+    async def record(
+        send: Send, headers: dict[bytes, bytes], event: CompletionOutcome, tenant: str, user: str, reveal: bool
+    ) -> None:
+        """Join, decide and append one outcome, and reply: what both upload routes do with an outcome."""
         assert deps is not None
         if deps.monitor.backlog > fb.max_backlog:
             raise Reject(
@@ -233,14 +323,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             decision = decide(event, tenant, prompt, found.records, fb, rated=found.rated, table=table, rater=rater)
             result = await deps.store.append(event, tenant, prompt, decision, user)
         except (RedisUnavailable, RedisError, OSError) as exc:
-            log.warning("redis unavailable: %s", exc)
-            raise Reject(
-                503,
-                "redis_unavailable",
-                "event store unavailable, nothing was recorded; retry later",
-                retry_after=True,
-                tenant=tenant,
-            ) from None
+            raise redis_down(exc, tenant) from None
         body = {"completion_id": event.completion_id, "tenant": tenant}
         if not result.new:
             metrics.events.labels(DUPLICATE, tenant).inc()
@@ -273,14 +356,17 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             out["reason"] = decision.reason
         await reply(send, 200, out)
 
-    async def submit(scope: Scope, receive: Receive, send: Send) -> None:
-        started = time.perf_counter()
-        try:
-            await handle(scope, receive, send)
-        except Reject as r:
-            await refuse(send, r)
-        finally:
-            metrics.duration.observe(time.perf_counter() - started)
+    def route(handler):
+        async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+            started = time.perf_counter()
+            try:
+                await handler(scope, receive, send)
+            except Reject as r:
+                await refuse(send, r)
+            finally:
+                metrics.duration.observe(time.perf_counter() - started)
+
+        return serve
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -310,4 +396,5 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    return with_hot_route(app, "POST", SUBMIT_PATH, submit)
+    hot = with_hot_route(app, "POST", SUBMIT_PATH, route(handle))
+    return with_hot_route(hot, "POST", DATA_PATH, route(handle_envelope))

@@ -63,6 +63,13 @@ class FeedbackMetrics:
             ["tenant"],
             registry=r,
         )
+        self.continue_events = Counter(
+            "onlinerl_feedback_continue_events_total",
+            "Stock Continue's dev-data uploads (POST /api/training/data) by event name (Continue's names, else other) "
+            "and schema version (0.1.0, 0.2.0, else unknown).",
+            ["name", "schema"],
+            registry=r,
+        )
         self.responses = Counter(
             "onlinerl_feedback_responses_total", "HTTP responses by status code.", ["code"], registry=r
         )

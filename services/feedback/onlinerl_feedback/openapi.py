@@ -15,12 +15,13 @@ from onlinerl.schemas import CompletionOutcome
 from .decide import ACCEPTED, CONTRIBUTION_LIMIT, DUPLICATE, REJECTED, UNMATCHED
 
 SUBMIT_PATH = "/api/training/submit"
+DATA_PATH = "/api/training/data"  # stock Continue's `data:` destination (envelope.py)
 
 # every refusal the route can send, by HTTP code: (reason codes, what the client should do)
 REFUSALS: dict[int, tuple[tuple[str, ...], str]] = {
     400: (("client_disconnected",), "the connection closed before the body was complete: send it again"),
     401: (("unauthorized",), "missing or unknown API key: send `Authorization: Bearer <key>`"),
-    403: (("missing_project", "wrong_project"), "X-Project-ID must name the project of the API key"),
+    403: (("wrong_project",), "X-Project-ID, when sent, must name the project of the API key"),
     413: (("body_too_large",), "the body exceeds feedback.maxBodyBytes"),
     422: (
         ("invalid_json", "invalid_body", "invalid_field"),
@@ -75,6 +76,49 @@ def outcome_schema() -> dict[str, Any]:
     return schema
 
 
+ENVELOPE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "data"],
+    "description": "Continue's DataLogger upload (core/data/log.ts): the event parsed with devDataVersionedSchemas"
+    "[schema][level][name] of @continuedev/config-yaml. Only `autocomplete` at level `all` in a known schema is "
+    "trained (`data` is then the Outcome); other events are counted and ignored, `noCode` and unknown schemas are "
+    "audited.",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "description": "autocomplete, tokensGenerated, chatFeedback, ..."},
+        "data": {"type": "object"},
+        "schema": {"type": "string", "description": "0.1.0 or 0.2.0 (others: audited, answered 200)"},
+        "level": {"enum": ["all", "noCode"]},
+        "profileId": {"type": "string"},
+    },
+    "additionalProperties": True,
+}
+
+ENVELOPE_RECEIPT_SCHEMA: dict[str, Any] = {
+    "oneOf": [
+        {"$ref": "#/components/schemas/Receipt"},
+        {
+            "type": "object",
+            "required": ["status", "name", "tenant"],
+            "properties": {"status": {"const": "ignored"}, "name": {"type": "string"}, "tenant": {"type": "string"}},
+            "description": "an event that is not an autocomplete outcome: counted by name, nothing written",
+        },
+        {
+            "type": "object",
+            "required": ["status", "reason", "tenant", "audit_id"],
+            "properties": {
+                "status": {"const": REJECTED},
+                "reason": {"enum": ["no_code", "unknown_schema"]},
+                "tenant": {"type": "string"},
+                "audit_id": {"type": "string"},
+                "name": {"type": "string"},
+                "completion_id": {"type": "string"},
+            },
+            "description": "kept in the audit stream, never trained: level noCode, or a schema version we do not know",
+        },
+    ]
+}
+
+
 def _refusal(code: int) -> dict[str, Any]:
     reasons, what = REFUSALS[code]
     schema = {"allOf": [{"$ref": "#/components/schemas/Refusal"}, {"properties": {"reason": {"enum": list(reasons)}}}]}
@@ -85,31 +129,33 @@ def _refusal(code: int) -> dict[str, Any]:
 
 
 def openapi_document(max_body_bytes: int) -> dict[str, Any]:
-    """The whole document: the submit route, its auth and project header, body, receipt and refusals."""
+    """The whole document: the two upload routes, their auth and project header, bodies, receipts and refusals."""
+    project = {
+        "name": "X-Project-ID",
+        "in": "header",
+        "required": False,
+        "description": "the project (tenant) of the API key; optional (a key belongs to one project), refused when "
+        "it names another",
+        "schema": {"type": "string", "minLength": 1},
+    }
+    body_limit = f"at most {max_body_bytes} bytes (feedback.maxBodyBytes)"
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "onlinerl feedback",
             "version": "1",
-            "description": "Continue's completion tracking upload (completionTrackingUrl): accept / reject outcomes",
+            "description": "Continue's accept / reject outcomes: stock Continue's dev-data upload (data: destination, "
+            f"{DATA_PATH}) and the fork's completion tracking upload (completionTrackingUrl, {SUBMIT_PATH})",
         },
         "paths": {
             SUBMIT_PATH: {
                 "post": {
                     "operationId": "submitOutcome",
                     "security": [{"bearer": []}],
-                    "parameters": [
-                        {
-                            "name": "X-Project-ID",
-                            "in": "header",
-                            "required": True,
-                            "description": "the project (tenant) of the API key",
-                            "schema": {"type": "string", "minLength": 1},
-                        }
-                    ],
+                    "parameters": [project],
                     "requestBody": {
                         "required": True,
-                        "description": f"at most {max_body_bytes} bytes (feedback.maxBodyBytes)",
+                        "description": body_limit,
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Outcome"}}},
                     },
                     "responses": {
@@ -121,12 +167,41 @@ def openapi_document(max_body_bytes: int) -> dict[str, Any]:
                     },
                 }
             },
+            DATA_PATH: {
+                "post": {
+                    "operationId": "submitContinueDevData",
+                    "description": "stock Continue's `data:` destination (config.yaml: destination, schema 0.2.0, "
+                    "level all, events [autocomplete], apiKey)",
+                    "security": [{"bearer": []}],
+                    "parameters": [project],
+                    "requestBody": {
+                        "required": True,
+                        "description": body_limit,
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Envelope"}}},
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "recorded, audited, or counted and ignored",
+                            "content": {
+                                "application/json": {"schema": {"$ref": "#/components/schemas/EnvelopeReceipt"}}
+                            },
+                        },
+                        **{str(code): _refusal(code) for code in REFUSALS},
+                    },
+                }
+            },
         },
         "components": {
-            "schemas": {"Outcome": outcome_schema(), "Receipt": RECEIPT_SCHEMA, "Refusal": REFUSAL_SCHEMA},
+            "schemas": {
+                "Outcome": outcome_schema(),
+                "Receipt": RECEIPT_SCHEMA,
+                "Refusal": REFUSAL_SCHEMA,
+                "Envelope": ENVELOPE_SCHEMA,
+                "EnvelopeReceipt": ENVELOPE_RECEIPT_SCHEMA,
+            },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
 
 
-__all__ = ["REFUSALS", "openapi_document", "outcome_schema"]
+__all__ = ["DATA_PATH", "REFUSALS", "SUBMIT_PATH", "openapi_document", "outcome_schema"]

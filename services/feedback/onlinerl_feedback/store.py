@@ -94,6 +94,11 @@ class FeedbackStore:
         HGETALL; onlinerl/dataplane/rollouts.py)."""
         return parse_rollouts(await self._reads.call(*rollouts_command(self._keys, tenant, prompt)))
 
+    async def audit(self, entry: bytes) -> str:
+        """One capped audit entry for an upload that is never trained (a Continue event without its code, or of a
+        schema version we do not know: envelope.py); its entry id."""
+        return await audit.append(self._p, self._keys, entry)
+
     async def append(
         self, event: CompletionOutcome, tenant: str, prompt: str, decision: Decision, user: str = ANONYMOUS_USER
     ) -> AppendResult:

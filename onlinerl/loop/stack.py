@@ -27,6 +27,7 @@ from onlinerl import ports
 from onlinerl.auth import new_api_key, write_keys_file
 from onlinerl.config import OnlineRLConfig
 from onlinerl.dataplane.contract import Component
+from onlinerl.portcheck import STATE_ENV, CannotListen, busy_ports, describe
 from onlinerl.procs import Child, StartupError, Supervisor, python_module
 from onlinerl.redisconn import redacted
 from onlinerl.secretfile import write_secret
@@ -131,6 +132,49 @@ def serving_replicas(cfg: OnlineRLConfig, local: LocalPorts) -> list[ServingRepl
     return [ServingReplica(f"local-{i}", i, b + 10 * i, b + 10 * i + 1, b + 10 * i + 2) for i in range(n)]
 
 
+def needed_ports(cfg: OnlineRLConfig, local: LocalPorts, host: str) -> list[tuple[str, int, str]]:
+    """Every ``(host, port, use)`` the stack of ``cfg`` will listen on: valkey (unless redis.url is given) and vLLM on
+    loopback, the rest on ``host``."""
+    reps = serving_replicas(cfg, local)
+    single = len(reps) == 1
+    wanted = [] if cfg.redis.url else [(ports.LOOPBACK, local.redis, "valkey")]
+    for rep in reps:
+        sfx = rep.suffix(single)
+        wanted.append((ports.LOOPBACK, rep.engine, f"vLLM{sfx}"))
+        wanted.append((host if single else ports.LOOPBACK, rep.gateway, f"gateway{sfx}"))
+        wanted.append((host if single else ports.LOOPBACK, rep.reloader, f"reloader{sfx}"))
+    if not single:
+        wanted.append((host, cfg.serving.port, "balancer"))
+    wanted += [(host, cfg.feedback.port, "feedback"), (host, cfg.trainer.metrics_port, "trainer metrics")]
+    if cfg.rollout.controlled:
+        wanted.append((host, local.rollout, "rollout controller"))
+    return wanted
+
+
+def check_ports(cfg: OnlineRLConfig, local: LocalPorts, host: str) -> None:
+    """Refuse, in one line, to start a stack whose ports are taken (before anything starts or any file is written),
+    naming each busy port, its use and its holder (another `onlinerl up` with its state directory, if it is one)."""
+    from onlinerl.errors import CommandError
+
+    try:
+        busy = busy_ports(needed_ports(cfg, local, host))
+    except CannotListen as exc:
+        raise CommandError(f"{exc} (--host is an address of this machine, e.g. 127.0.0.1 or 0.0.0.0)") from None
+    if busy:
+        raise CommandError(describe(busy))
+
+
+def exposure_warning(cfg: OnlineRLConfig, local: LocalPorts, host: str) -> str:
+    """What ``--host`` off loopback makes reachable from other machines, in one line ("" on loopback)."""
+    if host in (ports.LOOPBACK, "localhost", "::1"):
+        return ""
+    opened = ", ".join(f"{what} :{port}" for h, port, what in needed_ports(cfg, local, host) if h == host)
+    return (
+        f"--host {host}: reachable from other machines: {opened} (completions and feedback for anyone holding a "
+        "key; metrics and health without one). valkey and vLLM stay on 127.0.0.1."
+    )
+
+
 @dataclass
 class StackPaths:
     state: Path
@@ -216,10 +260,15 @@ def demo_user_keys(paths: StackPaths) -> list[str]:
     return [key for key, role in map(_key_role, _demo_entries(paths)) if role == "user"]
 
 
-def effective_config(cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, model_path: Path) -> OnlineRLConfig:
-    """The config every child reads: embedded Redis URL, resolved model folder, local keys and checkpoint paths."""
+def effective_config(
+    cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, model_path: Path, host: str = ports.LOOPBACK
+) -> OnlineRLConfig:
+    """The config every child reads: embedded Redis URL, resolved model folder, local keys and checkpoint paths, and
+    ``host`` for the gateway and feedback (their config default, every interface, is a pod's)."""
     data = cfg.dump()
     data["redis"]["url"] = redis_url
+    data["serving"]["host"] = host
+    data["feedback"]["host"] = host
     data["model"]["path"] = str(model_path)
     data["auth"]["apiKeysFile"] = str(paths.keys.resolve())
     if "max_samples_per_user_per_hour" not in cfg.feedback.limits.model_fields_set:
@@ -280,12 +329,15 @@ class Stack:
     children: list[Child] = field(default_factory=list)
     api_key: str = ""
     replicas: list[ServingReplica] = field(default_factory=list)
+    host: str = ports.LOOPBACK  # where the stack's own ports listen (`onlinerl up --host`); valkey, vLLM: loopback
 
     def child_env(self, name: str = "") -> dict[str, str]:
         env = {
             "ONLINERL_CONFIG": str(self.paths.config.resolve()),
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            ports.LISTEN_HOST_ENV: self.host,  # trainer metrics, rollout controller: the stack's host, not a pod's
+            STATE_ENV: str(self.paths.state.resolve()),  # a second `onlinerl up` names this stack as the holder
         }
         url = self.redis_url_for(name)
         if url:
@@ -404,14 +456,17 @@ def start_stack(
     ports: LocalPorts = LocalPorts(),
     on_step: Callable[[str], None] = say,
     serving_only: bool = False,
+    host: str = ports.LOOPBACK,
 ) -> Stack:
     """Start every component and return the running :class:`Stack` (the caller stops it). ``serving_only``: valkey
-    and the serving replicas only (tests and benchmarks that publish versions themselves)."""
+    and the serving replicas only (tests and benchmarks that publish versions themselves). ``host``: where the
+    gateway, feedback, trainer metrics, reloader and rollout ports listen (`onlinerl up --host`; valkey and vLLM stay
+    on loopback)."""
     from onlinerl.model import resolve_model_path
 
     paths = StackPaths(state)
     paths.logs.mkdir(parents=True, exist_ok=True)
-    stack = Stack(cfg, paths)
+    stack = Stack(cfg, paths, host=host)
     try:
         redis_url = cfg.redis.url
         if not redis_url:
@@ -428,7 +483,7 @@ def start_stack(
             write_jsonl(train, paths.data / "train.jsonl")
             write_jsonl(test, paths.data / "test.jsonl")
         stack.api_key = ensure_demo_key(paths)
-        stack.cfg = effective_config(cfg, paths, redis_url, model_path)
+        stack.cfg = effective_config(cfg, paths, redis_url, model_path, host)
         write_secret(paths.config, yaml.safe_dump(stack.cfg.dump(), sort_keys=False))  # its Redis URL: a password
         stack.start_serving(model_path, ports, on_step)
         if serving_only:

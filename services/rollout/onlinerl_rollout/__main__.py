@@ -42,7 +42,7 @@ def serve_http(controller: RolloutController, port: int, interval: float) -> Met
         return healthy, "ok" if healthy else "no successful tick recently"
 
     return MetricsHTTPServer(
-        lambda: generate_latest(controller.metrics.registry), "0.0.0.0", port, health, name="rollout-http"
+        lambda: generate_latest(controller.metrics.registry), ports.listen_host(), port, health, name="rollout-http"
     ).start()
 
 

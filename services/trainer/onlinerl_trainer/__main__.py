@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from onlinerl import ports
 from onlinerl.config import ConfigError, load_config
 from onlinerl.keys import Keys
 from onlinerl.model import ModelError, resolve_model_path
@@ -75,7 +76,7 @@ def main() -> int:
         os.environ.get("ONLINERL_TRAINER_HOLDER") or default_holder(),
         ttl_ms=int(float(os.environ.get("ONLINERL_TRAINER_LEASE_SECONDS", "15")) * 1000),
     )
-    server = MetricsServer(metrics, "0.0.0.0", cfg.trainer.metrics_port, health=lease.health).start()
+    server = MetricsServer(metrics, ports.listen_host(), cfg.trainer.metrics_port, health=lease.health).start()
     trainer = None
     try:
         # 1. The lease first: nothing is read from disk or the stream until this is the only trainer of the job.

@@ -23,8 +23,10 @@ from typing import Any
 import yaml
 
 from onlinerl.config import OnlineRLConfig, ResourcesConfig
+from onlinerl.continue_config import DATA_PATH, continue_config
 from onlinerl.dataplane import acl
 from onlinerl.dataplane.contract import Component
+from onlinerl.fim import get_template
 from onlinerl.model import SMOLLM2_GGUF_SHA256
 from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, CPU_IN_PROCESS_EXECUTOR_ARGS, CPU_IN_PROCESS_EXECUTOR_ENV
 from onlinerl_operator import constants as c
@@ -962,11 +964,28 @@ def render_all(ctx: RenderContext) -> list[Manifest]:
     return [m for m in out if m is not None]
 
 
+API_KEY_PLACEHOLDER = "<your-api-key>"  # status never holds a key: the user puts one of spec.auth's keys there
+
+
 def endpoints(ctx: RenderContext) -> dict[str, str]:
+    """In-cluster URLs, the ingress, and the config.yaml for stock Continue (onlinerl/continue_config.py, the one
+    `onlinerl up` prints): through the ingress when there is one (/v1, /api/training on one host), else in-cluster."""
     base = f"{ctx.namespace}.svc"
     scheme = "https" if ctx.cfg.ingress.tls_secret else "http"
+    serving = f"http://{ctx.child('serving')}.{base}:{ctx.cfg.serving.port}"
+    feedback = f"http://{ctx.child('feedback')}.{base}:{ctx.cfg.feedback.port}"
+    ingress = f"{scheme}://{ctx.cfg.ingress.host}" if ctx.cfg.ingress.enabled and ctx.cfg.ingress.host else ""
+    model = ctx.cfg.model
     return {
-        "completions": f"http://{ctx.child('serving')}.{base}:{ctx.cfg.serving.port}/v1/completions",
-        "feedback": f"http://{ctx.child('feedback')}.{base}:{ctx.cfg.feedback.port}/api/training/submit",
-        "ingress": f"{scheme}://{ctx.cfg.ingress.host}" if ctx.cfg.ingress.enabled and ctx.cfg.ingress.host else "",
+        "completions": f"{serving}/v1/completions",
+        "feedback": f"{feedback}{DATA_PATH}",
+        "ingress": ingress,
+        "continueConfig": continue_config(
+            model=model.served_name,
+            api_base=f"{ingress or serving}/v1",
+            feedback_base=ingress or feedback,
+            api_key=API_KEY_PLACEHOLDER,
+            max_model_len=model.max_model_len,
+            template=get_template(model.fim_template) if model.fim_template != "auto" else None,
+        ),
     }

@@ -63,8 +63,17 @@ class Condition(_Status):
 
 class Endpoints(_Status):
     completions: str = Field("", description="In-cluster URL of the OpenAI-compatible completions API.")
-    feedback: str = Field("", description="In-cluster URL of Continue's training-data upload.")
+    feedback: str = Field(
+        "", description="In-cluster URL of stock Continue's training-data upload (its config.yaml data: destination)."
+    )
     ingress: str = Field("", description="External base URL when an Ingress is enabled.")
+    continue_config: str = Field(
+        "",
+        max_length=8192,
+        description="config.yaml for stock Continue (VS Code, JetBrains) pointing at this job, through the Ingress "
+        "when enabled: merge it into ~/.continue/config.yaml and put one of spec.auth's keys where it says "
+        "<your-api-key>. The same config `onlinerl up` prints.",
+    )
 
 
 class JobStatus(_Status):

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from onlinerl.continue_config import continue_config
+from onlinerl.fim import get_template
 from tests.chart.helm import CHART, VALUES_DIR, helm
 
 
@@ -37,20 +39,31 @@ def notes(chart: Path, *args: str) -> str:
     return yaml.safe_load(out)["data"]["notes"]
 
 
-def test_install_notes_carry_the_continue_config(notes_chart: Path) -> None:
-    text = notes(notes_chart, "-f", str(VALUES_DIR / "monitoring-on.yaml"))
+def printed_config(text: str) -> str:
+    """The config.yaml block of the notes, unindented (it runs from its first comment to the next blank line)."""
+    block = text.split("     # onlinerl for stock Continue", 1)[1].split("\n\n", 1)[0]
+    return "\n".join(line[5:] for line in ("     # onlinerl for stock Continue" + block).splitlines()) + "\n"
+
+
+@pytest.mark.parametrize("max_model_len", [None, 1024, 8192])
+def test_install_notes_carry_the_config_onlinerl_up_prints(notes_chart: Path, max_model_len: int | None) -> None:
+    extra = ["--set", f"continue.maxModelLen={max_model_len}"] if max_model_len else []
+    text = notes(notes_chart, "-f", str(VALUES_DIR / "monitoring-on.yaml"), *extra)
     assert "installed as release" in text
     assert "kubectl -n onlinerl-system rollout status deployment/orl-onlinerl-operator" in text
-    after_intro = text.split("~/.continue/config.yaml).", 1)[1].split("\n", 3)[3]
-    snippet = yaml.safe_load(after_intro.split("\nObservability")[0])
-    (model,) = snippet["models"]
-    assert model["provider"] == "openai" and model["roles"] == ["autocomplete"]
-    assert model["apiBase"] == "https://completions.example.com/v1" and model["model"] == "qwen2.5-coder-1.5b"
-    tracking = snippet["tabAutocompleteOptions"]
-    assert tracking["enableCompletionTracking"] is True
-    assert tracking["completionTrackingUrl"] == "https://completions.example.com/api/training/submit"
-    assert tracking["completionTrackingHeaders"]["Authorization"].startswith("Bearer ")
-    assert tracking["completionTrackingHeaders"]["X-Project-ID"] == "acme"
+    printed = printed_config(text)
+    local = continue_config(
+        model="qwen2.5-coder-1.5b",
+        api_base="https://completions.example.com/v1",
+        feedback_base="https://completions.example.com",
+        api_key="<your-api-key>",
+        max_model_len=max_model_len or 2048,
+        template=get_template("qwen"),
+    )
+    assert printed == local  # the same text as `onlinerl up` prints, host and key aside (tests/continue: it loads)
+    snippet = yaml.safe_load(printed)
+    assert snippet["data"][0]["destination"] == "https://completions.example.com/api/training/data"
+    assert "tabAutocompleteOptions" not in snippet
     assert "Alerts: PrometheusRule orl-onlinerl-alerts" in text
 
 

@@ -583,6 +583,21 @@ def feedback() -> dict[str, Any]:
             description="Backlog falls only when the trainer acknowledges after a durable checkpoint.",
         ),
         Panel(
+            "Continue dev-data uploads by event and schema",
+            "timeseries",
+            [
+                (
+                    f"sum by (name, schema) (rate({sel('onlinerl_feedback_continue_events_total')}"
+                    "[$__rate_interval]))",
+                    "{{name}} {{schema}}",
+                )
+            ],
+            "ops",
+            stacked=True,
+            description="Stock Continue's data: destination (/api/training/data): only autocomplete at level all "
+            "trains; schema unknown means a Continue upgrade sends a version feedback does not parse (audited).",
+        ),
+        Panel(
             "Responses by code",
             "timeseries",
             [(f"sum by (code) (rate({sel('onlinerl_feedback_responses_total')}[$__rate_interval]))", "{{code}}")],

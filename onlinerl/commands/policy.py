@@ -22,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     pin.add_argument("version", type=int)
     pin.add_argument("--force", action="store_true", help="pin even if serving has not loaded N")
     pin.set_defaults(func=_pin)
-    psub.add_parser("unpin", help="back to stable/candidate routing").set_defaults(func=_unpin)
+    psub.add_parser("unpin", help="back to stable/candidate routing (a hold stays until resume)").set_defaults(
+        func=_unpin
+    )
     rb = psub.add_parser(
         "rollback",
         help="end the canary, or make N (default: the previous stable) stable. It sticks until resume under every "

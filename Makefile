@@ -21,7 +21,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python tools/install_helm.py $(BIN)
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Stock Continue's published npm packages (pinned in tests/continue/package-lock.json) for the tests that load our
+# printed config and build Continue's dev-data events with Continue's own code. Re-runs only when the lockfile
+# changes; npm's cache makes a re-install work offline.
+CONTINUE_NPM := tests/continue/node_modules/.package-lock.json
+$(CONTINUE_NPM): tests/continue/package-lock.json
+	@echo "==> installing stock Continue's npm packages for the tests (tests/continue, npm ci)"
+	cd tests/continue && npm ci --prefer-offline --no-audit --no-fund --loglevel=error
+	touch $@
+
+setup: $(STAMP) $(CONTINUE_NPM)
 
 run: setup
 	$(BIN)/onlinerl up

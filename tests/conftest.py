@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from onlinerl import compile_cache
 from onlinerl.valkey import EmbeddedValkey
 from tests.engines import PLAN, EnginePool, SharedEngine
 
@@ -166,6 +167,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return 0 if module not in vllm_modules else 2 if module in own else 1
 
     items.sort(key=rank)  # stable: file order within each group
+    # Engines share compiled kernels within this run only (onlinerl/compile_cache.py): each run starts cold, as on a
+    # fresh machine, and the first engine of the run writes what the later ones (replicas, restarts) copy.
+    os.environ[compile_cache.SHARED_ENV] = str(config._tmp_path_factory.getbasetemp() / "compile-cache")  # type: ignore[attr-defined]
     needed = [f for i in items for f in i.fixturenames if f in PLAN]
     if needed and not config.option.collectonly:
         _engine_pool(config).boot(list(dict.fromkeys(needed)))

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from onlinerl import compile_cache
 from onlinerl.config import OnlineRLConfig, from_mapping
 from onlinerl.procs import Child, wait_for
 from onlinerl.valkey import free_port
@@ -107,6 +108,10 @@ class SharedEngine:
         resp.raise_for_status()
         return resp.json()["choices"][0]["text"]
 
+    def publish_kernels(self) -> int:
+        """Offer what this engine compiled so far to the engines that start after it (onlinerl/compile_cache.py)."""
+        return compile_cache.publish(self.child.log_path.parent / f"torchinductor-{self.port}")
+
     def stop(self) -> None:
         """Stop the engine (a test of what survives a vLLM restart); :meth:`start_again` brings it back."""
         self.child.stop(timeout=5)
@@ -173,6 +178,7 @@ class EnginePool:
         self.started.append(engine)
         warm_up(engine)
         engine.base_text = engine.greedy()
+        engine.publish_kernels()
         return engine
 
     def stop(self) -> None:
@@ -210,6 +216,7 @@ def released(engine: SharedEngine, job: str) -> Iterator[SharedEngine]:
     yield engine
     if not engine.child.alive():
         return  # the test failed hard; the next user of this engine fails with the log tail
+    engine.publish_kernels()
     for name in sorted(engine.models() - {BASE_NAME}):
         if name.startswith(f"{job}-v"):
             httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)

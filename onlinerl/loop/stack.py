@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from onlinerl import ports
+from onlinerl import compile_cache, ports
 from onlinerl.auth import new_api_key, write_keys_file
 from onlinerl.config import OnlineRLConfig
 from onlinerl.dataplane.contract import Component
@@ -379,6 +379,7 @@ class Stack:
         then each is waited on: N engines load side by side."""
         single = len(replicas) == 1
         cores, environ = sorted(os.sched_getaffinity(0)), dict(os.environ)
+        shared = {compile_cache.SHARED_ENV: str(self.compile_cache_folder())}
         started = []
         for rep in replicas:
             argv = python_module(
@@ -387,7 +388,7 @@ class Stack:
                 *("--port", str(rep.engine), "--cache-dir", str(self.paths.logs.resolve())),
             )
             name = f"vllm{rep.suffix(single)}"
-            env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, environ)
+            env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, environ) | shared
             child = Child(name, argv, self.paths.logs / f"{name}.log", env=env)
             self.children.append(child.start())  # appended first: a failed start is stopped with the rest
             started.append(child)
@@ -433,12 +434,22 @@ class Stack:
         sfx = rep.suffix(len(self.replicas) == 1)
         return [c for c in self.children if c.name in {f"vllm{sfx}", f"gateway{sfx}", f"reloader{sfx}"}]
 
+    def compile_cache_folder(self) -> Path:
+        """Where the local engines share compiled kernels: $ONLINERL_COMPILE_CACHE, else beside the model cache."""
+        from onlinerl.model import default_cache_dir
+
+        return compile_cache.shared_folder() or default_cache_dir() / "torchinductor"
+
     def stop(self) -> None:
         for child in reversed(self.children):
             if child.alive():
                 say(f"stopping {child.name}")
                 child.stop()
         self.children.clear()
+        for rep in self.replicas:  # what the engines compiled: the next engine on this machine starts from it
+            compile_cache.publish(
+                self.paths.logs.resolve() / f"torchinductor-{rep.engine}", self.compile_cache_folder()
+            )
         if self.valkey is not None:
             say("stopping valkey")
             self.valkey.stop()
@@ -456,12 +467,14 @@ def start_stack(
     ports: LocalPorts = LocalPorts(),
     on_step: Callable[[str], None] = say,
     serving_only: bool = False,
+    external_engine: bool = False,
     host: str = ports.LOOPBACK,
 ) -> Stack:
     """Start every component and return the running :class:`Stack` (the caller stops it). ``serving_only``: valkey
-    and the serving replicas only (tests and benchmarks that publish versions themselves). ``host``: where the
-    gateway, feedback, trainer metrics, reloader and rollout ports listen (`onlinerl up --host`; valkey and vLLM stay
-    on loopback)."""
+    and the serving replicas only (tests and benchmarks that publish versions themselves). ``external_engine``: vLLM
+    already runs at ``serving.engineUrl`` (a developer's own, or a test session's shared engine): start none.
+    ``host``: where the gateway, feedback, trainer metrics, reloader and rollout ports listen (`onlinerl up --host`;
+    valkey and vLLM stay on loopback)."""
     from onlinerl.model import resolve_model_path
 
     paths = StackPaths(state)
@@ -485,7 +498,7 @@ def start_stack(
         stack.api_key = ensure_demo_key(paths)
         stack.cfg = effective_config(cfg, paths, redis_url, model_path, host)
         write_secret(paths.config, yaml.safe_dump(stack.cfg.dump(), sort_keys=False))  # its Redis URL: a password
-        stack.start_serving(model_path, ports, on_step)
+        stack.start_serving(model_path, ports, on_step, external_engine=external_engine)
         if serving_only:
             return stack
         c = stack.cfg

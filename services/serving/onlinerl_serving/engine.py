@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from onlinerl import ports
+from onlinerl import compile_cache, ports
 from onlinerl.config import OnlineRLConfig
 from onlinerl.procs import Child, python_module
 from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, CPU_IN_PROCESS_EXECUTOR_ARGS, CPU_IN_PROCESS_EXECUTOR_ENV
@@ -103,9 +103,10 @@ def engine_process(
     cpu = on_cpu()
     env = vllm_env(cfg, cpu=cpu)
     if cpu:
-        # A private torch.compile cache: two vLLM-CPU processes compiling the same sampler kernel into the shared
-        # /tmp/torchinductor_$USER have produced a torn C++ file that kills the engine on its first request.
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / f"torchinductor-{port}")
+        # A private torch.compile cache, seeded from $ONLINERL_COMPILE_CACHE (onlinerl/compile_cache.py).
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(
+            compile_cache.private_folder(cache_dir, port, compile_cache.shared_folder())
+        )
     return vllm_argv(cfg, model_path, port=port, cpu=cpu), env
 
 

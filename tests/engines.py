@@ -75,7 +75,7 @@ PLAN: dict[str, EngineSpec] = {
 # path (`onlinerl up`: `python -m onlinerl_serving.engine` per replica) or several replicas.
 OWN_ENGINES: dict[str, int] = {
     "tests/loop/test_replicas_e2e.py": 2,  # two replicas behind the balancer
-    "tests/loop/test_e2e.py": 1,  # `onlinerl up`'s own launch path, every component as it runs locally
+    "tests/loop/test_up_safe_defaults.py": 1,  # the `onlinerl up` command itself, as a newcomer runs it
 }
 # Modules that stop a shared engine and start it again (what survives a vLLM restart), and how often.
 RESTARTS: dict[str, int] = {

@@ -1,8 +1,9 @@
 """The whole loop on real processes, tiny settings: every hop, end to end.
 
 completion -> rollout record -> feedback -> sample -> PPO step -> checkpoint -> reload -> the next completion is
-served by the new version. Real valkey, real vLLM on CPU (tiny random model), real gateway, reloader, feedback and
-trainer processes started by the same code as `onlinerl up`.
+served by the new version. Real valkey, real vLLM on CPU (the session's tiny-model engine), real gateway, reloader,
+feedback and trainer processes started by the same code as `onlinerl up` (the `onlinerl up` command with its own
+engine: tests/loop/test_up_safe_defaults.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from onlinerl.loop.stack import DEMO_TENANT, LocalPorts, ensure_demo_key, start_
 from onlinerl.procs import wait_for
 from onlinerl.schemas import PolicyTable
 from onlinerl.valkey import free_port
+from tests.engines import released
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -39,13 +41,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_path, tmp_path_factory):
+def stack(tiny_lora_engine, tmp_path_factory):
     state = tmp_path_factory.mktemp("stack")
     cfg = OnlineRLConfig.model_validate(
         {
             "job": "e2e",
-            "model": {"path": str(tiny_model_path), "fimTemplate": "plain", "maxModelLen": 1024},
-            "serving": {"port": free_port(), "engineUrl": f"http://127.0.0.1:{free_port()}"},
+            "model": {"path": str(tiny_lora_engine.model_path), "fimTemplate": "plain", "maxModelLen": 1024},
+            "serving": {"port": free_port(), "engineUrl": tiny_lora_engine.url},
             "feedback": {"port": free_port()},
             # every hop incl. the reload to stable; the canary end to end: tests/rollout/test_e2e_real.py
             "rollout": {"strategy": "direct"},
@@ -61,13 +63,13 @@ def stack(tiny_model_path, tmp_path_factory):
             },
         }
     )
-    running = start_stack(
-        cfg, state, build_data=False, ports=LocalPorts(redis=free_port(), reloader=free_port(), rollout=free_port())
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+    ports = LocalPorts(redis=free_port(), reloader=free_port(), rollout=free_port())
+    with released(tiny_lora_engine, cfg.job):
+        running = start_stack(cfg, state, build_data=False, ports=ports, external_engine=True)
+        try:
+            yield running
+        finally:
+            running.stop()
 
 
 def test_every_hop_end_to_end(stack):

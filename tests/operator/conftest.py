@@ -183,6 +183,9 @@ async def cluster(kmock: Any) -> AsyncIterator[Cluster]:
                     ready_flag=ready,
                 )
             )
+        except asyncio.CancelledError as exc:  # kopf re-raises a straggler's cancellation: ours, at teardown
+            if not cleaned.is_set():
+                failure.append(exc)
         except BaseException as exc:  # surfaced by the fixture
             failure.append(exc)
 

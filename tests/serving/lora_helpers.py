@@ -73,6 +73,12 @@ def write_lora_checkpoint(
     return final
 
 
+def lineage(r: redis.Redis, job: str) -> str:
+    """The announcement's ``rollback_at`` as the trainer writes it: the trainer rebases onto the last manual rollback
+    before it trains again, so a version published now follows that rollback (``0.0``: none yet)."""
+    return (r.hget(Keys(job).policy, "rollback_at") or b"0.0").decode()
+
+
 def announce(r: redis.Redis, job: str, version: int, path: Path) -> None:
     """XADD the ``checkpoints`` entry (the last step of publishing)."""
     r.xadd(
@@ -83,6 +89,7 @@ def announce(r: redis.Redis, job: str, version: int, path: Path) -> None:
             "kind": "lora",
             "manifest_sha256": _sha256(path / "manifest.json"),
             "created_at": repr(time.time()),
+            "rollback_at": lineage(r, job),
         },
     )
 

@@ -34,6 +34,7 @@ from onlinerl.schemas import CheckpointManifest, PolicyTable, RolloutRecord
 from onlinerl.valkey import EmbeddedValkey, free_port
 from tests.engines import SharedEngine, back_to_the_base, released
 from tests.serving.conftest import JOB, KEY_ACME, KEY_EVAL, Gateway, start_gateway, start_reloader, write_config
+from tests.serving.lora_helpers import lineage
 
 pytestmark = pytest.mark.vllm
 PROMPT = "def fibonacci(n):\n    "
@@ -75,6 +76,7 @@ def announce(r: redis.Redis, path: Path, version: int) -> None:
             "kind": "full",
             "manifest_sha256": hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest(),
             "created_at": repr(time.time()),
+            "rollback_at": lineage(r, JOB),
         },
     )
 

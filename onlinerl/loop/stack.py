@@ -12,7 +12,6 @@ for the CLI.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -26,6 +25,7 @@ import yaml
 from onlinerl import compile_cache, ports
 from onlinerl.auth import new_api_key, write_keys_file
 from onlinerl.config import OnlineRLConfig
+from onlinerl.continue_config import CONFIG_PATH, continue_config
 from onlinerl.dataplane.contract import Component
 from onlinerl.portcheck import STATE_ENV, CannotListen, busy_ports, describe
 from onlinerl.procs import Child, StartupError, Supervisor, python_module
@@ -281,42 +281,18 @@ def effective_config(
     return OnlineRLConfig.model_validate(data)
 
 
-def continue_template_lines(template) -> str:
-    """Continue picks its FIM template by model name; for a model it cannot recognise, say the template and stops."""
-    if template.name == "qwen":
-        return ""  # Continue recognises Qwen-coder names and renders exactly this template itself
-    if template.prefix_only:
-        tpl = "{{{prefix}}}"
-    elif template.suffix_first:
-        tpl = f"{template.begin}{{{{{{suffix}}}}}}{template.hole}{{{{{{prefix}}}}}}"
-    else:
-        tpl = f"{template.begin}{{{{{{prefix}}}}}}{template.hole}{{{{{{suffix}}}}}}{template.end}"
-    stops = ", ".join(json.dumps(s) for s in template.stop)
-    return (
-        f"    promptTemplates:\n      autocomplete: {json.dumps(tpl)}\n"
-        f"    defaultCompletionOptions:\n      maxTokens: 64\n      stop: [{stops}]\n"
-    )
-
-
 def continue_snippet(cfg: OnlineRLConfig, api_key: str, host: str = "127.0.0.1") -> str:
-    """Ready-to-paste ~/.continue/config.yaml: the autocomplete model plus completion tracking."""
+    """The config.yaml for stock Continue (onlinerl/continue_config.py) pointing at this local stack."""
     from onlinerl.loop.template import template_for
 
-    return f"""models:
-  - name: onlinerl-autocomplete
-    provider: openai
-    model: {cfg.model.served_name}
-    apiBase: http://{host}:{cfg.serving.port}/v1
-    apiKey: {api_key}
-    roles:
-      - autocomplete
-{continue_template_lines(template_for(cfg, None))}tabAutocompleteOptions:
-  enableCompletionTracking: true
-  completionTrackingUrl: http://{host}:{cfg.feedback.port}/api/training/submit
-  completionTrackingHeaders:
-    Authorization: "Bearer {api_key}"
-    X-Project-ID: "{DEMO_TENANT}"
-"""
+    return continue_config(
+        model=cfg.model.served_name,
+        api_base=f"http://{host}:{cfg.serving.port}/v1",
+        feedback_base=f"http://{host}:{cfg.feedback.port}",
+        api_key=api_key,
+        max_model_len=cfg.model.max_model_len,
+        template=template_for(cfg, None),
+    )
 
 
 @dataclass
@@ -540,15 +516,17 @@ def banner(stack: Stack) -> str:
     return f"""
 onlinerl is up.
   completions   http://127.0.0.1:{c.serving.port}/v1/completions
-  feedback      http://127.0.0.1:{c.feedback.port}/api/training/submit
+  feedback      http://127.0.0.1:{c.feedback.port}/api/training/data (stock Continue's data: destination)
+                http://127.0.0.1:{c.feedback.port}/api/training/submit (the outcome itself: the fork, simulate)
 {replica_lines(stack)}  metrics       gateway {gateway_metrics}  feedback :{c.feedback.port}/metrics
                 trainer :{c.trainer.metrics_port}/metrics
   redis         {redacted(c.redis.url)}
   logs          {stack.paths.logs}
   demo API key  {stack.api_key}   (project: {DEMO_TENANT})
 
-Paste into ~/.continue/config.yaml:
+Stock Continue (VS Code, JetBrains): merge this into {CONFIG_PATH} (README: "Use it from your editor"):
 {continue_snippet(c, stack.api_key)}
+Check that outcomes arrive: onlinerl status (feedback events by outcome)
 Try it:     onlinerl simulate --requests 50
 Live view:  onlinerl status
 Stop:       Ctrl-C

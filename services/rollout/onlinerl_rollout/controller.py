@@ -338,6 +338,8 @@ class RolloutController:
             len(guardrail_breaches(cand_stats, stable_stats, self.rules.guardrails)),
             blue,
         )
+        if v.action == "hold":
+            self.doing = canary_wait(cand, v.reason, cand_stats, stable_stats, blue)
         if table.pinned is not None:
             return []
         if not v.evaluated:
@@ -477,6 +479,22 @@ class RolloutController:
                 hook(rec)
             except Exception:
                 log.exception("on_decision hook failed for %s", rec.decision)
+
+
+def canary_wait(cand: int, reason: str, cand_stats: ArmStats, stable_stats: ArmStats, blue: bool) -> str:
+    """What a holding canary waits for, for `onlinerl status`: the decision's own reason and, when one arm has served
+    requests and the other none, why: arms are split by API key, so with one key (or a few) in use every request may
+    land in one arm, and the canary never sees the other (a lone developer's canary; issue 36)."""
+    text = f"canary v{cand} holds: {reason}"
+    if blue:
+        return text
+    for arm, idle, busy in (("stable", stable_stats, cand_stats), ("candidate", cand_stats, stable_stats)):
+        if idle.served == 0 and busy.served > 0:
+            return (
+                f"{text}; the {arm} arm has served no request since the canary started: arms are split by API key, "
+                "so with one key (or a few) in use the other arm may never be served and this canary never decides"
+            )
+    return text
 
 
 def _hold_text(table: PolicyTable) -> str:

@@ -157,22 +157,13 @@ def test_enabling_redis_renders_acl_users_by_default(tmp_path: Path) -> None:
 
 
 def test_a_job_listed_twice_or_a_bad_name_is_refused() -> None:
-    twice = helm(
-        "template",
-        "orl",
-        str(CHART),
-        "--set",
-        "redis.enabled=true",
-        "--set",
-        "redis.jobs[0].name=demo",
-        "--set",
-        "redis.jobs[1].name=demo",
-        check=False,
-    )
+    def template(*names: str):
+        sets = [a for i, name in enumerate(names) for a in ("--set", f"redis.jobs[{i}].name={name}")]
+        return helm("template", "orl", str(CHART), "--set", "redis.enabled=true", *sets, check=False)
+
+    twice = template("demo", "demo")
     assert twice.returncode != 0 and 'redis.jobs lists job "demo" twice' in twice.stderr
-    bad = helm(
-        "template", "orl", str(CHART), "--set", "redis.enabled=true", "--set", "redis.jobs[0].name=a*", check=False
-    )
+    bad = template("a*")
     assert bad.returncode != 0 and "/redis/jobs/0/name" in bad.stderr
 
 

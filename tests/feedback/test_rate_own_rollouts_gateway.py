@@ -21,13 +21,14 @@ from onlinerl.auth import KeyRing, user_hash
 from onlinerl.dataplane import acl
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
-from onlinerl.loop.continue_client import CompletionResult, ContinueClient
+from onlinerl.loop.continue_client import ContinueClient
 from onlinerl.schemas import RolloutRecord
 from onlinerl.valkey import EmbeddedValkey, RedisUsers
 from onlinerl_feedback.limits import user_of
 from tests.engines import SharedEngine
 from tests.feedback.conftest import JOB
 from tests.feedback.gateway_stack import gateway_and_feedback
+from tests.feedback.test_rollout_rules_through_gateway import serve
 
 QWEN = get_template("qwen")
 ALICE, MALLORY = "key-acme-alice", "key-acme-mallory"
@@ -43,18 +44,6 @@ def vk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedValkey]:
         yield server
     finally:
         server.stop()
-
-
-async def served(client: ContinueClient) -> tuple[str, CompletionResult]:
-    """One completion that shows something (the tiny random model may say only whitespace for some prompts)."""
-    async with httpx.AsyncClient(timeout=120) as http:
-        for i in range(20):
-            prompt = QWEN.render(f"own_{i} = ", "\n")
-            res = await client.complete(http, prompt)
-            assert res.status == 200 and not res.error, res.error
-            if res.text.strip():
-                return prompt, res
-    raise AssertionError("no non-empty completion")
 
 
 async def rate(client: ContinueClient, prompt: str, shown: str) -> tuple[int, dict]:
@@ -84,7 +73,7 @@ def test_a_key_cannot_rate_what_the_gateway_served_another_key(
         ) as ep:
             alice = ContinueClient(ep.api, ep.track, ALICE, "acme", "onlinerl-base", QWEN, max_tokens=8)
             mallory = ContinueClient(ep.api, ep.track, MALLORY, "acme", "onlinerl-base", QWEN, max_tokens=8)
-            prompt, res = asyncio.run(served(alice))
+            prompt, res = asyncio.run(serve(alice, "own"))
             [raw] = admin.hvals(K.rollouts("acme", prompt))
             record = RolloutRecord.model_validate_json(raw)
             assert record.user_hash == user_hash(ALICE)  # the gateway names the user it served

@@ -52,7 +52,8 @@ def test_accepted_exact_match_becomes_a_sample(server, r, keys, http, tokenizer)
     assert resp.status_code == 200, resp.text
     out = resp.json()
     assert out["status"] == "accepted_for_training"
-    assert (out["match"], out["rollout_id"], out["policy_version"]) == ("exact", rec.rollout_id, 3)
+    assert (out["match"], out["rollout_id"]) == ("exact", rec.rollout_id)
+    assert "policy_version" not in out  # a user key is not told which version (so which arm) served it (issue 35)
     assert out["reward"] == pytest.approx(0.5 + 0.0125 * len("return a + b"))  # the default reward pays 12 characters
     (sample,), _ = assert_streams(r, keys, samples=1, audit=0)
     assert r.xrange(keys.samples)[0][0].decode() == out["sample_id"]

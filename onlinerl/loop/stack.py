@@ -372,15 +372,27 @@ class Stack:
             child.wait_healthy(f"http://127.0.0.1:{rep.engine}/v1/models", timeout)
         return started
 
-    def start_serving(self, model_path: Path, local: LocalPorts, on_step: Callable[[str], None] = say) -> None:
+    def start_serving(
+        self,
+        model_path: Path,
+        local: LocalPorts,
+        on_step: Callable[[str], None] = say,
+        external_engine: bool = False,
+    ) -> None:
         """``serving.replicas`` replicas (vLLM + gateway + reloader each); with more than one, the balancer on the
-        configured gateway port in front of them (onlinerl/loop/balancer.py)."""
+        configured gateway port in front of them (onlinerl/loop/balancer.py). ``external_engine``: one replica whose
+        vLLM already runs at ``serving.engineUrl`` (started and stopped by the caller)."""
         self.replicas = serving_replicas(self.cfg, local)
         single = len(self.replicas) == 1
         n = len(self.replicas)
-        on_step(f"starting vLLM{'' if single else f' x{n}'} (about a minute on CPU)")
-        self.start_engines(model_path, self.replicas)
-        on_step("vLLM healthy")
+        if external_engine:
+            if not single:
+                raise ValueError("an external engine serves one replica: serving.replicas must be 1")
+            on_step(f"using the running vLLM at {self.cfg.serving.engine_url}")
+        else:
+            on_step(f"starting vLLM{'' if single else f' x{n}'} (about a minute on CPU)")
+            self.start_engines(model_path, self.replicas)
+            on_step("vLLM healthy")
         for rep in self.replicas:
             env, sfx = rep.env(single), rep.suffix(single)
             self.start_child(

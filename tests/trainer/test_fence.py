@@ -95,10 +95,10 @@ def test_the_fence_refuses_lapsed_older_and_forged_tokens(redis_client):
 
 
 def test_a_stale_trainer_cannot_publish_and_its_successor_trains_its_samples(
-    tmp_path, redis_client, empty_valkey, tiny_model_path
+    tmp_path, redis_client, valkey, tiny_model_path
 ):
     r = redis_client
-    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path)
+    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path)
     old_lease = Lease(r, KEYS, "old-pod", ttl_ms=3000)
     assert old_lease.try_acquire() is None  # taken, but never renewed: the old pod freezes in its grace period
     old = Trainer(cfg, r, tiny_model_path, lease=old_lease)
@@ -137,7 +137,7 @@ def test_a_stale_trainer_cannot_publish_and_its_successor_trains_its_samples(
 
 
 def test_two_trainer_processes_one_publishes_the_other_waits_then_takes_over(
-    tmp_path, redis_client, empty_valkey, tiny_model_path
+    tmp_path, redis_client, valkey, tiny_model_path
 ):
     r = redis_client
     ports = {"pod-a": free_port(), "pod-b": free_port()}
@@ -146,7 +146,7 @@ def test_two_trainer_processes_one_publishes_the_other_waits_then_takes_over(
     def start(holder: str) -> Child:
         cfg = trainer_config(
             tmp_path / "ckpt",
-            empty_valkey.url,
+            valkey.url,
             tiny_model_path,
             metricsPort=ports[holder],
             checkpoint={"everySteps": 1},
@@ -215,12 +215,12 @@ def test_two_trainer_processes_one_publishes_the_other_waits_then_takes_over(
 
 
 def test_a_folder_off_the_resumed_lineage_does_not_count_as_trained(
-    tmp_path, redis_client, empty_valkey, tiny_model_path
+    tmp_path, redis_client, valkey, tiny_model_path
 ):
     """A stale trainer that crashed after its rename but before its refused announcement leaves a v{N} on no lineage:
     its sample ids must not be acknowledged as trained by the next trainer (they are not in the weights it resumes)."""
     r = redis_client
-    cfg = trainer_config(tmp_path / "ckpt", empty_valkey.url, tiny_model_path)
+    cfg = trainer_config(tmp_path / "ckpt", valkey.url, tiny_model_path)
     first = Trainer(cfg, r, tiny_model_path)
     first.start()
     a_ids = xadd_samples(r, samples(8))

@@ -441,7 +441,28 @@ def test_live_switch_under_8_streaming_clients_fails_nothing(stack: Stack) -> No
     assert state is not None and state.state == "loaded" and state.served_model == adapter_name(JOB, 1)
 
 
+def published(stack: Stack, v: int) -> bool:
+    return (stack.ckpt_root / JOB / f"v{v}").exists()
+
+
+def settle_on_v3(stack: Stack) -> None:
+    """Where the version-lifecycle tests start, reached through the product when a test runs alone: v1, v2 and v3
+    published in turn (each made stable by the reloader), v1 retired beyond keepVersions. In file order the tests
+    before have done it, and this only checks."""
+    for v in (1, 2, 3):
+        if not published(stack, v):
+            publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, v)
+            wait_for(lambda v=v: policy(stack).stable == v, 60, what=f"v{v} stable")
+    wait_for(lambda: policy(stack).stable >= 3, 60, what="v3 (or newer) stable")
+    wait_for(
+        lambda: (version_state(stack, 1) or PolicyVersionState(version=1)).state == "retired", 30, what="v1 retired"
+    )
+
+
 def test_newer_versions_retire_the_oldest_beyond_keep(stack: Stack) -> None:
+    if not published(stack, 1):  # alone: v1 first, as the live-switch test leaves it
+        publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, 1)
+        wait_for(lambda: policy(stack).stable == 1, 60, what="v1 stable")
     for v in (2, 3):
         publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, v)
     wait_for(lambda: policy(stack).stable == 3, 60, what="v3 stable")
@@ -461,6 +482,7 @@ def test_newer_versions_retire_the_oldest_beyond_keep(stack: Stack) -> None:
 
 
 def test_an_evaluation_hold_brings_a_retired_version_back_until_released(stack: Stack) -> None:
+    settle_on_v3(stack)
     keys = Keys(JOB)
     assert (version_state(stack, 1) or PolicyVersionState(version=1)).state == "retired"
     assert hold(stack.redis, keys, [0, 1], seconds=300) == [1]  # the base model needs no hold
@@ -475,6 +497,7 @@ def test_an_evaluation_hold_brings_a_retired_version_back_until_released(stack: 
 
 def test_vllm_losing_adapters_gets_them_back(stack: Stack) -> None:
     """What a vLLM restart looks like to the reloader: its adapters vanish from /v1/models."""
+    settle_on_v3(stack)
     name = adapter_name(JOB, 3)
     httpx.post(f"{stack.engine_url}/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
     wait_for(lambda: name in engine_models(stack), 15, what="reloader to load v3 again")
@@ -488,6 +511,7 @@ def test_vllm_losing_adapters_gets_them_back(stack: Stack) -> None:
 
 
 def test_bad_checkpoint_is_marked_failed_after_bounded_attempts(stack: Stack) -> None:
+    settle_on_v3(stack)
     publish_lora(stack.redis, JOB, stack.base_model, stack.ckpt_root, 4, corrupt=True)
     wait_for(
         lambda: (version_state(stack, 4) or PolicyVersionState(version=4)).state == "failed",
@@ -539,6 +563,7 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
     """v2 stops being wanted while a stream is on it: it stays loaded until that stream ends, then retires."""
     if stack.engine is None:
         pytest.skip("needs the vLLM this module starts (it pauses its engine)")
+    settle_on_v3(stack)
     v5 = write_lora_checkpoint(JOB, stack.base_model, stack.ckpt_root, 5)
     stack.redis.hset(stack.keys.policy, "pinned", "2")  # a pin keeps v2 wanted and routes to it
     announce(stack.redis, JOB, 5, v5)  # v5 loads and becomes stable while the pin still holds v2
@@ -592,6 +617,7 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
 def test_canary_split_is_deterministic_per_user_and_recorded(stack: Stack) -> None:
     """candidate=3 at a 50 % share: each user (its API key) sticks to one arm whatever uniqueId / ``user`` it sends
     (a client cannot choose its arm); records and stats agree."""
+    settle_on_v3(stack)
     stack.redis.hset(stack.keys.policy, mapping={"candidate": "3", "canary_share": "0.5", "pinned": ""})
     stable = policy(stack).stable
     users = USER_KEYS

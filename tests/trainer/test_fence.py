@@ -214,9 +214,7 @@ def test_two_trainer_processes_one_publishes_the_other_waits_then_takes_over(
     print(f"takeover after release: {takeover_s:.2f}s; versions {versions}; fences {sorted(set(fences))}")
 
 
-def test_a_folder_off_the_resumed_lineage_does_not_count_as_trained(
-    tmp_path, redis_client, valkey, tiny_model_path
-):
+def test_a_folder_off_the_resumed_lineage_does_not_count_as_trained(tmp_path, redis_client, valkey, tiny_model_path):
     """A stale trainer that crashed after its rename but before its refused announcement leaves a v{N} on no lineage:
     its sample ids must not be acknowledged as trained by the next trainer (they are not in the weights it resumes)."""
     r = redis_client

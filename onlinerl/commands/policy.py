@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("policy", help="show or steer the live rollout (pin, rollback, pause)")
     p.add_argument("--redis-url", default=None, help="default: redis.url of the config")
     p.add_argument("--job", default=None, help="default: job of the config")
+    p.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="state directory of a local stack (`make run`, `onlinerl up`): act on its Redis and job (default: "
+        ".onlinerl when it holds a running stack's config and neither --config nor $ONLINERL_CONFIG is given)",
+    )
     psub = p.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
     psub.add_parser("show", help="policy table, versions, verdicts and the latest decisions (JSON)").set_defaults(
         func=_show
@@ -45,11 +53,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     ).set_defaults(func=_resume)
 
 
+def _config(args: argparse.Namespace):
+    """``--config``, else the state directory's config (``--state``, or ``.onlinerl`` left by `make run`), else
+    ``$ONLINERL_CONFIG`` and the defaults: after `make run`, `onlinerl policy show` acts on that stack."""
+    import os
+
+    from onlinerl.config import CONFIG_ENV, load_config
+    from onlinerl.loop.local import DEFAULT_STATE, local_config
+    from onlinerl.loop.stack import StackPaths
+
+    state = args.state
+    if (
+        state is None
+        and not args.config
+        and not os.environ.get(CONFIG_ENV)
+        and StackPaths(DEFAULT_STATE).config.is_file()
+    ):
+        state = DEFAULT_STATE
+    return load_config(args.config) if state is None else local_config(state, args.config)
+
+
 def _store(args: argparse.Namespace):
-    from onlinerl.config import load_config
     from onlinerl.rollout.manual import connect
 
-    cfg = load_config(args.config)
+    cfg = _config(args)
     return connect(args.redis_url if args.redis_url is not None else cfg.redis.url, args.job or cfg.job)
 
 

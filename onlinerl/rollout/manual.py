@@ -187,5 +187,8 @@ def show(store: RolloutStore, decisions: int = 10) -> dict[str, Any]:
 
 def connect(url: str, job: str) -> RolloutStore:
     if not url:
-        raise CommandError("no Redis to act on: pass --redis-url or set redis.url in the config")
+        raise CommandError(
+            "no Redis to act on: pass --redis-url, or --state DIR of a local stack (`make run`), "
+            "or set redis.url in the config"
+        )
     return RolloutStore(redis_connect(RedisConfig(), url), Keys(job))  # default deadlines

@@ -102,11 +102,12 @@ def test_apply_spec_from_the_custom_resource(redis_client) -> None:
     assert t.pinned == 1 and t.paused
 
 
-def test_no_redis_url_says_what_to_do(capsys, monkeypatch) -> None:
+def test_no_redis_url_says_what_to_do(capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("ONLINERL_CONFIG", raising=False)
     monkeypatch.delenv("ONLINERL__REDIS__URL", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .onlinerl of a running stack here (`onlinerl policy` would act on it)
     assert main(["policy", "show"]) == 2
-    assert "pass --redis-url or set redis.url" in capsys.readouterr().err
+    assert "pass --redis-url, or --state DIR" in capsys.readouterr().err
 
 
 def test_rollback_to_a_version_serving_unloaded_before(cli, redis_client) -> None:

@@ -893,6 +893,20 @@ def from_mapping(data: dict[str, Any]) -> OnlineRLConfig:
         raise ConfigError(_format_validation_error(err)) from None
 
 
+def _the_config_document(path: Path, documents: list[Any]) -> Any:
+    """A file of several YAML documents is a manifest set (the examples: a Secret, then the OnlineRLJob): its one
+    OnlineRLJob is the config."""
+    if len(documents) <= 1:
+        return documents[0] if documents else {}
+    jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == "OnlineRLJob"]
+    if len(jobs) != 1:
+        raise ConfigError(
+            f"config file {path} holds {len(documents)} YAML documents and {len(jobs)} OnlineRLJob: give one config "
+            "mapping, or manifests with exactly one OnlineRLJob"
+        )
+    return jobs[0]
+
+
 def load_config(path: str | Path | None = None, environ: dict[str, str] | None = None) -> OnlineRLConfig:
     """YAML file (``path`` or ``$ONLINERL_CONFIG``) overlaid with ``ONLINERL__*`` variables, validated."""
     env = dict(os.environ if environ is None else environ)
@@ -903,9 +917,10 @@ def load_config(path: str | Path | None = None, environ: dict[str, str] | None =
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            documents = [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        loaded = _the_config_document(p, documents)
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded.get("spec", loaded) if loaded.get("kind") == "OnlineRLJob" else loaded

@@ -1,4 +1,5 @@
-"""``onlinerl config check|show``: validate a config the way every component does at start-up."""
+"""``onlinerl config check|show``: validate a config the way every component does at start-up, and the way the CRD
+and the operator do (the limits between fields of onlinerl.config_rules), or print it."""
 
 from __future__ import annotations
 
@@ -17,11 +18,30 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from onlinerl.config import load_config
+    from onlinerl.config import ConfigError, load_config
+    from onlinerl.config_rules import refusals
 
-    load_config(args.config)
+    cfg = load_config(args.config)
+    problems = refusals(cfg.dump(), cluster=_is_job_manifest(args.config))
+    if problems:
+        raise ConfigError("invalid onlinerl configuration:\n  " + "\n  ".join(problems))
     print("configuration is valid")
     return 0
+
+
+def _is_job_manifest(path: str | None) -> bool:
+    """An OnlineRLJob manifest runs on Kubernetes: the check then applies the cluster's rules too (auth.apiKeysSecret),
+    as the CRD does. A plain config file is also what `make run` takes, where those do not apply."""
+    import os
+    from pathlib import Path
+
+    from onlinerl.config import CONFIG_ENV
+
+    path = path or os.environ.get(CONFIG_ENV)
+    if not path:
+        return False
+    documents = yaml.safe_load_all(Path(path).read_text())  # load_config read it already: it exists and parses
+    return any(isinstance(d, dict) and d.get("kind") == "OnlineRLJob" for d in documents)
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import copy
 from typing import Any
 
 from onlinerl.config import OnlineRLConfig
+from onlinerl.config_rules import RULES
 from onlinerl_operator import constants as c
 from onlinerl_operator.status import JobStatus
 
@@ -87,14 +88,18 @@ def spec_schema() -> dict[str, Any]:
             ),
         }
     ]
-    trainer = schema["properties"]["trainer"]
-    trainer["x-kubernetes-validations"] = [
-        {
-            "rule": "self.microBatchSize <= self.batchSize",
-            "message": "trainer.microBatchSize must not exceed trainer.batchSize",
-        }
-    ]
+    attach_rules(schema)
     return schema
+
+
+def attach_rules(spec: dict[str, Any]) -> None:
+    """Each limit between fields (onlinerl.config_rules) as a CEL validation at its place in the spec schema: the
+    API server refuses what the operator and `onlinerl config check` refuse, with the same message."""
+    for rule in RULES:
+        node = spec
+        for part in filter(None, rule.at.split(".")):
+            node = node["properties"][part]
+        node.setdefault("x-kubernetes-validations", []).append({"rule": rule.cel, "message": rule.message})
 
 
 def status_schema() -> dict[str, Any]:

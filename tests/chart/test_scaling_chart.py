@@ -4,7 +4,6 @@ Kubernetes 1.29 and 1.33); the operator's RBAC covers the new kinds; a wrong key
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import yaml
 from onlinerl_operator.render import RenderContext, render_all
 from onlinerl_operator.spec import parse_spec
 from tests.chart.helm import CHART, VALUES_DIR, by_kind, helm, render
+from tests.crd_schema import api_server_defaults, spec_schema
 
 K8S = ("1.29", "1.33")
 DEFAULTS = {
@@ -33,23 +33,6 @@ def chart_crd(tmp_path: Path, job_defaults: dict[str, Any]) -> dict[str, Any]:
     out = helm("template", "orl", str(CHART), "--namespace", "onlinerl-system", "-f", str(values)).stdout
     (crd,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "CustomResourceDefinition"]
     return crd
-
-
-def spec_schema(crd: dict[str, Any]) -> dict[str, Any]:
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-
-
-def api_server_defaults(schema: dict[str, Any], obj: Any) -> Any:
-    """Structural defaulting as the API server does it: absent fields with a default get it, then their children."""
-    if not isinstance(obj, dict) or "properties" not in schema:
-        return obj
-    out = dict(obj)
-    for key, prop in schema["properties"].items():
-        if key not in out and "default" in prop:
-            out[key] = copy.deepcopy(prop["default"])
-        if key in out:
-            out[key] = api_server_defaults(prop, out[key])
-    return out
 
 
 def test_job_defaults_reach_a_job_that_leaves_them_out(tmp_path: Path) -> None:

@@ -124,8 +124,8 @@ def test_one_node_is_unchanged() -> None:
 @pytest.mark.parametrize(
     ("trainer", "message"),
     [
-        ({"nodes": 2}, "trainer.nodes=2 runs several ranks: set trainer.engine: deepspeed"),
-        ({"nodes": 2, "engine": "torch"}, "trainer.nodes=2 runs several ranks"),
+        ({"nodes": 2}, "trainer.nodes above 1 runs several ranks: set trainer.engine: deepspeed"),
+        ({"nodes": 2, "engine": "torch"}, "trainer.nodes above 1 runs several ranks"),
         ({"nodes": 0}, "trainer.nodes"),
         ({"nodes": 1000, "engine": "deepspeed"}, "trainer.nodes"),
         ({"nodes": 2, "engine": "deepspeed", "rendezvousPort": 70000}, "trainer.rendezvousPort"),

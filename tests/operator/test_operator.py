@@ -280,7 +280,8 @@ async def test_invalid_spec_is_a_condition_not_a_crash_loop(cluster: Cluster, em
     await wait_until(lambda: cluster.status("demo").get("phase") == "Invalid", what="phase Invalid")
     ready = cluster.condition("demo", "Ready")
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
-    assert "trainer.weights (full) and serving.weightsMode (lora) must match" in ready["message"]
+    assert "trainer.weights and serving.weightsMode must match" in ready["message"]
+    assert "(got trainer.weights='full', serving.weightsMode='lora')" in ready["message"]
     assert cluster.obj("Deployment", "demo-serving") is None  # nothing half-deployed
     # Fixing the spec brings the job up.
     await cluster.patch_spec("demo", {"serving": {"weightsMode": "full"}})

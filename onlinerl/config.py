@@ -8,6 +8,7 @@ An invalid value fails at start-up with the field path and the reason (:class:`C
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -699,6 +700,18 @@ class AutoscaleConfig(_Section):
 
     ``metric``: ``load`` scales on the component's load metric per pod (serving: in-flight requests,
     ``onlinerl_serving_inflight_requests``; feedback: requests per second, the rate of
+    few_users: Literal["wait", "decide"] = Field(
+        "wait",
+        description="A canary whose per-user ledgers hold fewer than 1 / maxUserShare users (a lone developer, a "
+        "few teammates) never reaches a look under the per-user cap, and with users split by key one of its arms "
+        "may get no traffic at all. wait (the default): such a canary holds, and `onlinerl status` says why. decide "
+        "(the local stack's default: `onlinerl up` is one developer): once minSamples requests came from fewer "
+        "users, the canary splits by request instead of by key (each request drawn, its record carrying the arm it "
+        "was served under), and it is judged on its pooled counters: the eval gate, the doubling looks with alpha "
+        "spending, the guardrails and the drift guard all still count, but not the per-user cap and leave-one-out "
+        "check, which so few users cannot satisfy: any one of them can steer the verdict. Trust your few users "
+        "before choosing it. A canary with 1 / maxUserShare users or more keeps every per-user rule either way.",
+    )
     ``onlinerl_feedback_responses_total``), through the HPA's Pods metric (custom.metrics.k8s.io, e.g.
     prometheus-adapter) or KEDA's Prometheus trigger; without either it falls back to CPU. ``cpu``: CPU utilization.
     """
@@ -708,6 +721,12 @@ class AutoscaleConfig(_Section):
     max_replicas: int = Field(4, ge=1, le=1000)
     metric: Literal["load", "cpu"] = "load"
     target_load: float = Field(4.0, gt=0, description="Load per pod to hold: in-flight requests per serving pod.")
+    @property
+    def few_users_below(self) -> int:
+        """Users a canary's ledgers need before the per-user cap can let it reach a look: ``ceil(1 / maxUserShare)``.
+        Fewer is a few-user canary (``fewUsers``)."""
+        return math.ceil(1.0 / self.max_user_share - 1e-9)
+
     target_cpu_utilization: int = Field(70, ge=1, le=100, description="Percent of the CPU request (metric cpu).")
     provider: Literal["auto", "hpa", "keda"] = Field(
         "auto", description="`auto`: a KEDA ScaledObject when keda.sh/v1alpha1 is served, else an HPA (autoscaling/v2)."

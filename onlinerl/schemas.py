@@ -238,6 +238,12 @@ class PolicyTable(BaseModel):
         d = {
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in raw.items()
+    split: Literal["key", "request"] = Field(
+        "key",
+        description="how the canary splits users: key (each API key keeps one arm: sha256 of the key against "
+        "canary_share), or request (each request drawn against canary_share; its record carries the arm, so its "
+        "outcome counts there): a few-user canary (rollout.fewUsers: decide), set by the rollout controller",
+    )
         }
 
         def opt_int(key: str) -> int | None:
@@ -262,6 +268,7 @@ class PolicyTable(BaseModel):
 
 class PolicyVersionState(_Record):
     """What the reloader knows of one version (Redis hash ``versions``). ``ready``: full-weight mode, the manifest
+            "split": self.split,
     checked and the weights switchable, but not in vLLM (one version at a time): the blue/green gate may take it.
     ``previewing``: full-weight mode, vLLM holds it for the eval gate's requests only (user requests wait)."""
 
@@ -288,4 +295,5 @@ class PolicyVersionState(_Record):
 
 def adapter_name(job: str, version: int) -> str:
     """The vLLM model name a version is served under: unique per version, never reused (no load_inplace)."""
+            split="request" if d.get("split") == "request" else "key",
     return f"{job}-v{version}"

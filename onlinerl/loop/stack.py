@@ -275,6 +275,10 @@ def effective_config(
         # `onlinerl simulate` drives a whole team through 33 demo keys for an hour: a per-key hourly limit would
         # throttle the simulation, not a person. Set feedback.limits.maxSamplesPerUserPerHour to have one locally.
         data["feedback"]["limits"]["maxSamplesPerUserPerHour"] = 0
+    if "few_users" not in cfg.rollout.model_fields_set:
+        # `onlinerl up` is one developer by design: its one key must be able to move the canary, or it is served
+        # v0 for ever (services/rollout/onlinerl_rollout/few_users.py). Set rollout.fewUsers: wait to keep it off.
+        data["rollout"]["fewUsers"] = "decide"
     ckpt = Path(data["storage"]["checkpointDir"])
     if not ckpt.is_absolute():
         data["storage"]["checkpointDir"] = str((paths.state / "checkpoints").resolve())

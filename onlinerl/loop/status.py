@@ -149,10 +149,11 @@ def _ago(ts: str | None) -> str:
 
 def render(s: dict) -> str:
     p: PolicyTable = s["policy"]
+    by_request = " of requests" if p.split == "request" and p.candidate is not None else ""  # a few-user canary
     lines = [
         f"policy: stable v{p.stable}  candidate {('v' + str(p.candidate)) if p.candidate is not None else '-'}"
-        f"  canary share {p.canary_share:.2f}  pinned {p.pinned if p.pinned is not None else '-'}"
-        f"  paused {'yes' if p.paused else 'no'}"
+        f"  canary share {p.canary_share:.2f}{by_request}"
+        f"  pinned {p.pinned if p.pinned is not None else '-'}  paused {'yes' if p.paused else 'no'}"
     ]
     if p.hold is not None:
         lines.append(hold_line(p))

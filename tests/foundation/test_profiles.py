@@ -105,3 +105,16 @@ def test_the_local_stack_still_lifts_the_per_key_hourly_limit_after_the_profile(
         assert local(cfg).trainer.lora.last_layers == 8
     local = local(from_mapping({"feedback": {"limits": {"maxSamplesPerUserPerHour": 50}}}))
     assert local.feedback.limits.max_samples_per_user_per_hour == 50  # a limit someone set is kept
+
+
+def test_the_local_stack_lets_a_lone_developer_decide_its_canary_unless_told_otherwise(tmp_path) -> None:
+    """`onlinerl up` is one developer: its canary may be decided by few users (rollout.fewUsers: decide, issue 36);
+    the product's default for every other deployment is wait, and a value someone set is kept."""
+    from onlinerl.loop.stack import StackPaths, effective_config
+
+    def local(cfg):
+        return effective_config(with_local_profile(cfg, has_gpu=False), StackPaths(tmp_path), "redis://x:1/0", tmp_path)
+
+    assert from_mapping({}).rollout.few_users == "wait"
+    assert local(from_mapping({})).rollout.few_users == "decide"
+    assert local(from_mapping({"rollout": {"fewUsers": "wait"}})).rollout.few_users == "wait"

@@ -4,7 +4,8 @@ Only the users and the model are simulated (the model writes each suggestion as 
 one of ``users`` API keys; the rest is the product's code, called in process:
 
 - routing: the gateway's ``route`` on the gateway's hash of the key, over the versions this replica has loaded (every
-  version the simulator knows the truth of), so a user keeps its arm and the canary share is the product's split;
+  version the simulator knows the truth of), so a user keeps its arm and the canary share is the product's split
+  (a few-user canary split by request draws each request's point, as the gateway does, from its own seeded RNG);
 - serving: the gateway's rollout writer (``RolloutStore.command``: the data plane's record script) stores each
   completion, counts it ``served`` under its arm and in its canary's per-user ledger;
 - feedback: the user's outcome (the served version's *true* show and accept rates, from a seeded RNG: runs are
@@ -99,6 +100,7 @@ class ArmSimulator:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self.draws = random.Random(self.seed + 1)  # only a canary split by request draws (other runs stay as they were)
         self.keys = Keys(self.job)
         self.feedback = FeedbackConfig()
         self.served = 0  # requests so far: each gets its own prompt, so each outcome joins its own rollout
@@ -112,7 +114,7 @@ class ArmSimulator:
     def _request(self, table: PolicyTable) -> _Request:
         user = self.rng.randrange(self.users)
         uhash = user_hash(self.key(user))
-        r = route(table, uhash, self.truth)
+        r = route(table, uhash, self.truth, self.draws.random() if table.split == "request" else 0.0)
         truth = self.truth[r.version]
         shown = self.rng.random() < truth.show_rate
         accepted = shown and self.rng.random() < truth.accept_rate

@@ -7,6 +7,9 @@ alike (3 of 10 accepted each); one more key, on one arm, rejects or accepts ever
 counters alone the controller's own decision function would let that key decide the first look (rollback or
 promote); through the per-user ledgers it holds. The quarantine is off here (``anomalyK: 0``) so the controller's
 own defence is what is measured; tests/feedback/test_hostile_ratings.py shows the quarantine.
+
+``rollout.fewUsers: decide`` (the local stack's default, issue 36) judges a canary of fewer than 1 / maxUserShare users
+on pooled counts; the last two tests run attacks under it: a crowd with one attacker in it keeps every per-user rule.
 """
 
 from __future__ import annotations
@@ -92,11 +95,17 @@ class Canary:
 
 
 @pytest.fixture
-def canary(empty_valkey, redis_client, tmp_path, tokenizer) -> Iterator[Canary]:
+def few_users() -> str:
+    """rollout.fewUsers (the product default; the last tests parametrize it)."""
+    return "wait"
+
+
+@pytest.fixture
+def canary(empty_valkey, redis_client, tmp_path, tokenizer, few_users: str) -> Iterator[Canary]:
     clock = FakeClock()
     redis_client.hset(Keys(JOB).policy, mapping=PolicyTable(stable=0).to_redis())  # JOB: the feedback service's
     publish_loaded(redis_client, JOB, 1)
-    cfg = rollout_cfg(min_samples=MIN_SAMPLES, min_dwell_seconds=0)
+    cfg = rollout_cfg(min_samples=MIN_SAMPLES, min_dwell_seconds=0, few_users=few_users)
     ctl = RolloutController(redis_client, JOB, cfg, good_eval, clock=clock)
     assert [d.decision for d in ctl.tick()] == ["gate_pass"]
     table = PolicyTable.from_redis(redis_client.hgetall(Keys(JOB).policy))
@@ -180,3 +189,19 @@ def test_one_key_alone_never_reaches_a_look(canary: Canary) -> None:
     assert canary.ctl.tick() == []
     state = canary.ctl.store.state(1)
     assert state is not None and (state.state, state.last_look) == ("canary", -1)
+
+
+@pytest.mark.parametrize("few_users", ["decide"])
+def test_under_few_users_decide_a_crowd_with_one_key_accepting_everything_still_holds(canary: Canary) -> None:
+    """fewUsers: decide, 13 users: the canary is no few-user one, stays split by key, and the look holds."""
+    test_one_key_rejecting_or_accepting_everything_cannot_decide_a_look(canary, CANDIDATE, True, "promote")
+    assert canary.ctl.store.policy().split == "key"
+    assert all("few-user" not in d.reason for _, d in canary.ctl.store.decisions(20))
+
+
+@pytest.mark.parametrize("few_users", ["decide"])
+def test_under_few_users_decide_one_key_alone_on_an_arm_still_never_reaches_a_look(canary: Canary) -> None:
+    """fewUsers: decide, the candidate arm's only user is the attacker, 7 users in all: no few-user canary, the cap
+    still keeps the attacker's 200 rejects from reaching a look."""
+    test_one_key_alone_never_reaches_a_look(canary)
+    assert canary.ctl.store.policy().split == "key"

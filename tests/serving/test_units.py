@@ -171,6 +171,23 @@ def test_canary_share_splits_users_deterministically() -> None:
     assert all(0 <= user_point(u) < 1 for u in users)
 
 
+def test_a_few_user_canary_split_by_request_draws_each_request_and_ignores_the_key() -> None:
+    """``split: request`` (a few-user canary, issue 36): the request's draw decides, not the key, so one key reaches
+    both arms; by key the draw is ignored. A pin still wins, and the policy table keeps the split through Redis."""
+    by_key = PolicyTable(stable=3, candidate=4, canary_share=0.5)
+    by_request = by_key.model_copy(update={"split": "request"})
+    u = user_hash("sk-lone-developer")
+    assert {choose(by_key, u, d) for d in (0.0, 0.49, 0.5, 0.99)} == {choose(by_key, u)}  # one arm for the key
+    assert [choose(by_request, u, d) for d in (0.0, 0.49, 0.5, 0.99)] == [("candidate", 4)] * 2 + [("stable", 3)] * 2
+    assert (route(by_request, u, {0, 3, 4}, 0.1).arm, route(by_request, u, {0, 3, 4}, 0.9).arm) == (
+        "candidate",
+        "stable",
+    )
+    assert choose(by_request.model_copy(update={"pinned": 2}), u, 0.1) == ("pinned", 2)
+    assert PolicyTable.from_redis(by_request.to_redis()).split == "request"
+    assert PolicyTable.from_redis({"stable": "3"}).split == "key"  # a table written before the field existed
+
+
 def test_pin_overrides_and_base_is_version_zero() -> None:
     u = user_hash("k")
     assert choose(PolicyTable(stable=3, candidate=4, canary_share=1.0, pinned=2), u) == ("pinned", 2)

@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis
 
@@ -60,6 +60,7 @@ from onlinerl_rollout.decision import (
     guardrail_breaches,
     look_index,
 )
+from onlinerl_rollout.few_users import FewUsers, users_in
 from onlinerl_rollout.gate import GateInput, GateResult, GateThresholds, evaluate_gate
 from onlinerl_rollout.metrics import RolloutMetrics
 from onlinerl_rollout.per_user import robust_verdict
@@ -209,7 +210,8 @@ class RolloutController:
                 expect_stable=table.stable,
                 expect_candidate=None,
                 states=[state],
-                policy={"candidate": newest, "canary_share": share, **end_preview},  # the previewed weights stay
+                # the previewed weights stay; each canary starts split by key (few_users.py)
+                policy={"candidate": newest, "canary_share": share, "split": "key", **end_preview},
                 snapshot_stable=table.stable,
             )
         else:
@@ -329,7 +331,19 @@ class RolloutController:
         blue = table.canary_share >= 1.0  # everyone on the candidate: no live stable arm, compare with the snapshot
         stable_stats = baseline if blue else self.store.arm_stats(stable, STABLE).minus(baseline)
         now = self.clock()
-        v = self._verdict(table, state, cand_stats, stable_stats, now - state.started_at)
+        cand_users = self.store.arm_users(cand, CANDIDATE, cand)
+        stable_users = None if blue else self.store.arm_users(stable, STABLE, cand) or None
+        few = FewUsers(
+            users_in(cand_users, stable_users),
+            self.cfg.few_users_below,
+            self.cfg.few_users,
+            table.split,
+            cand_stats.served + (0 if blue else stable_stats.served),
+            self.rules.min_samples,
+        )
+        if few.switch_to_request and not blue and table.pinned is None:
+            return self._split_by_request(table, few, now)
+        v = self._verdict(table, state, cand_stats, stable_stats, now - state.started_at, cand_users, stable_users, few)
         self.metrics.observe_canary(
             cand,
             stable,
@@ -339,7 +353,7 @@ class RolloutController:
             blue,
         )
         if v.action == "hold":
-            self.doing = canary_wait(cand, v.reason, cand_stats, stable_stats, blue)
+            self.doing = canary_wait(cand, v.reason, cand_stats, stable_stats, blue, few)
         if table.pinned is not None:
             return []
         if not v.evaluated:
@@ -370,7 +384,7 @@ class RolloutController:
                     "kept": v.action == "promote" and v.kept,
                 }
             )
-            policy = {"candidate": None, "canary_share": 0.0}
+            policy = {"candidate": None, "canary_share": 0.0, "split": "key"}
             if v.action == "promote":
                 policy["stable"] = cand
         if not self.store.apply(rec, expect_stable=stable, expect_candidate=cand, policy=policy, states=[new_state]):
@@ -379,13 +393,32 @@ class RolloutController:
         self._emit(rec)
         return [rec, *(self._maybe_supersede_inconclusive(table, new_state) if v.action == "hold" else [])]
 
+    def _split_by_request(self, table: PolicyTable, few: FewUsers, now: float) -> list[DecisionRecord]:
+        """A few-user canary under ``rollout.fewUsers: decide`` splits by request from now on (few_users.py)."""
+        cand, stable = table.candidate, table.stable
+        assert cand is not None
+        rec = DecisionRecord(decision="hold", version=cand, stable=stable, reason=few.switch_reason(), at=now)
+        if not self.store.apply(rec, expect_stable=stable, expect_candidate=cand, policy={"split": "request"}):
+            return []
+        self._emit(rec)
+        return [rec]
+
     def _verdict(
-        self, table: PolicyTable, state: RolloutState, cand_stats: ArmStats, stable_stats: ArmStats, dwell: float
+        self,
+        table: PolicyTable,
+        state: RolloutState,
+        cand_stats: ArmStats,
+        stable_stats: ArmStats,
+        dwell: float,
+        cand_users: dict[str, ArmStats],
+        stable_users: dict[str, ArmStats] | None,
+        few: FewUsers,
     ) -> Verdict:
         """This tick's verdict. When the arm counters reach a new look, it is taken on per-user-capped counters and
         must not rest on one user (per_user.py), from the canary's per-user ledgers; a kept promotion also passes the
-        drift guard (decision.DriftGuard)."""
-        cand, stable = state.version, table.stable
+        drift guard (decision.DriftGuard). A few-user canary under ``rollout.fewUsers: decide`` is judged on its
+        pooled counters instead (few_users.py): the cap and the leave-one-out check need more users than it has."""
+        stable = table.stable
         blue = table.canary_share >= 1.0
         rules, last, breaches = self.rules, state.last_look, state.guardrail_breach_looks
         due = look_index(min(cand_stats.shown, stable_stats.shown), rules.min_samples) > last
@@ -396,10 +429,11 @@ class RolloutController:
                 return decide_watch(c, s, dwell, last, rules, breaches, drift, at)
             return decide_canary(c, s, dwell, last, rules, breaches, self.cfg.gate.enabled, drift, at)
 
-        cand_users = self.store.arm_users(cand, CANDIDATE, cand) if due else {}
-        if not cand_users:  # no look due, or no ledger (counters written before the ledgers existed)
+        if not due or not cand_users:  # no look due, or no ledger (counters written before the ledgers existed)
             return decide_at(cand_stats, stable_stats, None)
-        stable_users = None if blue else self.store.arm_users(stable, STABLE, cand) or None
+        if few.pooled:
+            v = decide_at(cand_stats, stable_stats, None)
+            return replace(v, reason=f"{v.reason}; {few.verdict_note()}") if v.evaluated else v
         return robust_verdict(
             decide_at, cand_users, stable_users, stable_stats, rules.min_samples, rules.max_user_share
         )
@@ -441,7 +475,7 @@ class RolloutController:
             rec,
             expect_stable=table.stable,
             expect_candidate=state.version,
-            policy={"candidate": None, "canary_share": 0.0},
+            policy={"candidate": None, "canary_share": 0.0, "split": "key"},
             states=[done],
         ):
             return []
@@ -481,20 +515,26 @@ class RolloutController:
                 log.exception("on_decision hook failed for %s", rec.decision)
 
 
-def canary_wait(cand: int, reason: str, cand_stats: ArmStats, stable_stats: ArmStats, blue: bool) -> str:
-    """What a holding canary waits for, for `onlinerl status`: the decision's own reason and, when one arm has served
-    requests and the other none, why: arms are split by API key, so with one key (or a few) in use every request may
-    land in one arm, and the canary never sees the other (a lone developer's canary; issue 36)."""
+def canary_wait(
+    cand: int, reason: str, cand_stats: ArmStats, stable_stats: ArmStats, blue: bool, few: FewUsers | None = None
+) -> str:
+    """What a holding canary waits for, for `onlinerl status`: the decision's own reason; when one arm has served
+    requests and the other none under the key split, why (with one key, or a few, in use every request may land in one
+    arm, and the canary never sees the other: a lone developer's canary, issue 36); and what a few-user canary does
+    about it (few_users.py: waits, will split by request, or is split by request and judged on pooled counters)."""
     text = f"canary v{cand} holds: {reason}"
-    if blue:
-        return text
-    for arm, idle, busy in (("stable", stable_stats, cand_stats), ("candidate", cand_stats, stable_stats)):
-        if idle.served == 0 and busy.served > 0:
-            return (
-                f"{text}; the {arm} arm has served no request since the canary started: arms are split by API key, "
-                "so with one key (or a few) in use the other arm may never be served and this canary never decides"
-            )
-    return text
+    extra = few.waits_for() if few is not None else ""
+    if not blue and (few is None or few.split == "key"):
+        for arm, idle, busy in (("stable", stable_stats, cand_stats), ("candidate", cand_stats, stable_stats)):
+            if idle.served == 0 and busy.served > 0:
+                text = (
+                    f"{text}; the {arm} arm has served no request since the canary started: arms are split by API "
+                    "key, so with one key (or a few) in use the other arm may never be served"
+                )
+                if few is None or few.policy == "wait":
+                    text += " and this canary never decides"
+                break
+    return f"{text}; {extra}" if extra else text
 
 
 def _hold_text(table: PolicyTable) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections import Counter as Tally
@@ -127,18 +128,19 @@ class Gateway:
         table = self.state.policy
         if forced is not None:
             r = self._forced_route(forced, held)
+        draw = random.random()  # this request's point when a few-user canary splits by request (routing.choose)
         elif held is not None:
             # Full weights: everyone gets what vLLM holds. While the table already names another version (a switch
             # is coming), the held one keeps the arm it was last routed under: the old stable stays "stable", and a
             # blue/green candidate being switched back stays "candidate", never counted in a stable arm.
-            arm, wanted = choose(table, uhash)
+            arm, wanted = choose(table, uhash, draw)
             if wanted == held:
                 self._held_arm = (held, arm)
             else:
                 arm = self._held_arm[1] if self._held_arm[0] == held else STABLE
             r = PolicyRoute(arm, held, wanted)
         else:
-            r = route(table, uhash, self.state.loaded_versions())
+            r = route(table, uhash, self.state.loaded_versions(), draw)
         return r, served_model_name(self.cfg.job, self.cfg.model.served_name, r.version, self.cfg.serving.weights_mode)
 
     def _forced_route(self, version: int, held: int | None = None) -> PolicyRoute:

@@ -3,6 +3,10 @@
 Each user gets a deterministic point in [0, 1) from sha256(API key), so a user keeps the same arm while the canary
 share stays the same, and raising the share only moves users from stable to candidate. The "user" is the
 authenticated key, never a client-sent id (``X-Continue-Unique-Id``, body ``user``): no client can choose its arm.
+
+A few-user canary (policy ``split: request``, set by the rollout controller under ``rollout.fewUsers: decide``) draws
+each request's point instead (the gateway's ``draw``): a lone developer's one key would otherwise stay on one arm and
+the canary would never see the other. The record carries the arm served, so the outcome counts there either way.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ class Route:
     routed_version: int  # what the table asked for (differs when it is not loaded here)
 
 
-def choose(table: PolicyTable, uhash: str) -> tuple[Arm, int]:
-    """``(arm, version)`` the policy table assigns to this user. The base model as stable is arm ``stable`` too:
-    its feedback must count where the canary reads the stable arm."""
+def choose(table: PolicyTable, uhash: str, draw: float = 0.0) -> tuple[Arm, int]:
+    """``(arm, version)`` the policy table assigns to this user's request. The base model as stable is arm ``stable``
+    too: its feedback must count where the canary reads the stable arm. ``draw``: this request's uniform draw in
+    [0, 1), its point when the canary splits by request (``split: request``); by key the user's point is used."""
     if table.pinned is not None:
         return PINNED, table.pinned
-    if table.candidate is not None and table.canary_share > 0 and user_point(uhash) < table.canary_share:
+    point = draw if table.split == "request" else user_point(uhash)
+    if table.candidate is not None and table.canary_share > 0 and point < table.canary_share:
         return CANDIDATE, table.candidate
     return STABLE, table.stable
 
@@ -48,7 +54,7 @@ def newest_loaded_at_most(version: int, loaded: Iterable[int]) -> int:
     return best
 
 
-def route(table: PolicyTable, uhash: str, loaded: Iterable[int]) -> Route:
+def route(table: PolicyTable, uhash: str, loaded: Iterable[int], draw: float = 0.0) -> Route:
     """The user's arm and the version this replica serves it.
 
     The candidate arm serves exactly the candidate the gate passed, or, where this replica has not loaded it (still
@@ -58,7 +64,7 @@ def route(table: PolicyTable, uhash: str, loaded: Iterable[int]) -> Route:
     feedback is counted under ``stats:v{stable}:candidate``: in neither arm of the canary. Stable and pinned fall
     back to the newest loaded version at or below theirs (the reloader loads the routed versions first)."""
     loaded = loaded if isinstance(loaded, set | frozenset) else set(loaded)
-    arm, wanted = choose(table, uhash)
+    arm, wanted = choose(table, uhash, draw)
     if arm == CANDIDATE and wanted not in loaded:
         return Route(arm, newest_loaded_at_most(table.stable, loaded), wanted)
     return Route(arm, newest_loaded_at_most(wanted, loaded), wanted)

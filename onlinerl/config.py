@@ -686,20 +686,6 @@ class RolloutConfig(_Section):
         "suggestions (and of the requests they take) in an arm; a verdict must also hold with any one user left "
         "out. A look therefore needs at least 1 / maxUserShare users in each arm.",
     )
-    guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
-    gate: GateConfig = Field(default_factory=GateConfig)
-
-    @property
-    def controlled(self) -> bool:
-        """Whether the rollout controller runs (canary, bluegreen); under ``direct`` the reloader decides alone."""
-        return self.strategy != "direct"
-
-
-class AutoscaleConfig(_Section):
-    """Replicas follow load between ``minReplicas`` and ``maxReplicas`` (k8s; ``replicas`` is then the start only).
-
-    ``metric``: ``load`` scales on the component's load metric per pod (serving: in-flight requests,
-    ``onlinerl_serving_inflight_requests``; feedback: requests per second, the rate of
     few_users: Literal["wait", "decide"] = Field(
         "wait",
         description="A canary whose per-user ledgers hold fewer than 1 / maxUserShare users (a lone developer, a "
@@ -712,6 +698,26 @@ class AutoscaleConfig(_Section):
         "check, which so few users cannot satisfy: any one of them can steer the verdict. Trust your few users "
         "before choosing it. A canary with 1 / maxUserShare users or more keeps every per-user rule either way.",
     )
+    guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+    @property
+    def controlled(self) -> bool:
+        """Whether the rollout controller runs (canary, bluegreen); under ``direct`` the reloader decides alone."""
+        return self.strategy != "direct"
+
+    @property
+    def few_users_below(self) -> int:
+        """Users a canary's ledgers need before the per-user cap can let it reach a look: ``ceil(1 / maxUserShare)``.
+        Fewer is a few-user canary (``fewUsers``)."""
+        return math.ceil(1.0 / self.max_user_share - 1e-9)
+
+
+class AutoscaleConfig(_Section):
+    """Replicas follow load between ``minReplicas`` and ``maxReplicas`` (k8s; ``replicas`` is then the start only).
+
+    ``metric``: ``load`` scales on the component's load metric per pod (serving: in-flight requests,
+    ``onlinerl_serving_inflight_requests``; feedback: requests per second, the rate of
     ``onlinerl_feedback_responses_total``), through the HPA's Pods metric (custom.metrics.k8s.io, e.g.
     prometheus-adapter) or KEDA's Prometheus trigger; without either it falls back to CPU. ``cpu``: CPU utilization.
     """
@@ -721,12 +727,6 @@ class AutoscaleConfig(_Section):
     max_replicas: int = Field(4, ge=1, le=1000)
     metric: Literal["load", "cpu"] = "load"
     target_load: float = Field(4.0, gt=0, description="Load per pod to hold: in-flight requests per serving pod.")
-    @property
-    def few_users_below(self) -> int:
-        """Users a canary's ledgers need before the per-user cap can let it reach a look: ``ceil(1 / maxUserShare)``.
-        Fewer is a few-user canary (``fewUsers``)."""
-        return math.ceil(1.0 / self.max_user_share - 1e-9)
-
     target_cpu_utilization: int = Field(70, ge=1, le=100, description="Percent of the CPU request (metric cpu).")
     provider: Literal["auto", "hpa", "keda"] = Field(
         "auto", description="`auto`: a KEDA ScaledObject when keda.sh/v1alpha1 is served, else an HPA (autoscaling/v2)."

@@ -204,6 +204,12 @@ class PolicyTable(BaseModel):
         "again (kept after resume; the next rollback replaces it)",
     )
     rollback_at: float = Field(0.0, description="when that rollback was made (unix s): the trainer's rebase marker")
+    split: Literal["key", "request"] = Field(
+        "key",
+        description="how the canary splits users: key (each API key keeps one arm: sha256 of the key against "
+        "canary_share), or request (each request drawn against canary_share; its record carries the arm, so its "
+        "outcome counts there): a few-user canary (rollout.fewUsers: decide), set by the rollout controller",
+    )
     preview: int | None = Field(
         None,
         description="full-weight mode: the version the eval gate previews (vLLM holds it for eval requests only, "
@@ -228,6 +234,7 @@ class PolicyTable(BaseModel):
             "hold_at": repr(self.hold_at),
             "rollback_to": "" if self.rollback_to is None else str(self.rollback_to),
             "rollback_at": repr(self.rollback_at),
+            "split": self.split,
             "preview": "" if self.preview is None else str(self.preview),
             "preview_until": repr(self.preview_until),
             "updated_at": repr(self.updated_at or time.time()),
@@ -238,12 +245,6 @@ class PolicyTable(BaseModel):
         d = {
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in raw.items()
-    split: Literal["key", "request"] = Field(
-        "key",
-        description="how the canary splits users: key (each API key keeps one arm: sha256 of the key against "
-        "canary_share), or request (each request drawn against canary_share; its record carries the arm, so its "
-        "outcome counts there): a few-user canary (rollout.fewUsers: decide), set by the rollout controller",
-    )
         }
 
         def opt_int(key: str) -> int | None:
@@ -260,6 +261,7 @@ class PolicyTable(BaseModel):
             hold_at=float(d.get("hold_at") or 0.0),
             rollback_to=opt_int("rollback_to"),
             rollback_at=float(d.get("rollback_at") or 0.0),
+            split="request" if d.get("split") == "request" else "key",
             preview=opt_int("preview"),
             preview_until=float(d.get("preview_until") or 0.0),
             updated_at=float(d.get("updated_at") or 0.0),
@@ -268,7 +270,6 @@ class PolicyTable(BaseModel):
 
 class PolicyVersionState(_Record):
     """What the reloader knows of one version (Redis hash ``versions``). ``ready``: full-weight mode, the manifest
-            "split": self.split,
     checked and the weights switchable, but not in vLLM (one version at a time): the blue/green gate may take it.
     ``previewing``: full-weight mode, vLLM holds it for the eval gate's requests only (user requests wait)."""
 
@@ -295,5 +296,4 @@ class PolicyVersionState(_Record):
 
 def adapter_name(job: str, version: int) -> str:
     """The vLLM model name a version is served under: unique per version, never reused (no load_inplace)."""
-            split="request" if d.get("split") == "request" else "key",
     return f"{job}-v{version}"

@@ -126,9 +126,9 @@ class Gateway:
     def pick(self, uhash: str, forced: int | None = None, held: int | None = None) -> tuple[PolicyRoute, str]:
         """``held``: full-weight mode, the version vLLM's one model holds while this request is in flight."""
         table = self.state.policy
+        draw = random.random()  # this request's point when a few-user canary splits by request (routing.choose)
         if forced is not None:
             r = self._forced_route(forced, held)
-        draw = random.random()  # this request's point when a few-user canary splits by request (routing.choose)
         elif held is not None:
             # Full weights: everyone gets what vLLM holds. While the table already names another version (a switch
             # is coming), the held one keeps the arm it was last routed under: the old stable stays "stable", and a

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "onlinerl.commands.simulate",
     "onlinerl.commands.policy",
     "onlinerl.commands.eval",
+    "onlinerl.commands.forget",
 ]
 
 

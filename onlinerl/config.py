@@ -799,6 +799,51 @@ class MonitoringConfig(_Section):
     service_monitor: Literal["on", "off", "auto"] = "auto"
 
 
+class RetentionConfig(_Section):
+    """How long each kind of data lives: the one place that says so (docs/architecture.md, "Data we keep"). Each kind
+    is enforced by the component that owns it. ``redis.rolloutTtlSeconds`` and ``trainer.checkpoint.keep`` are the
+    older spellings of two of these: unset here, the older field's value (its default: 1800 s, 5) holds; set here, it
+    wins and the older field is overwritten with it, so every reader sees one value."""
+
+    rollout_records_seconds: int | None = Field(
+        None,
+        ge=900,
+        description="Rollout records (prompt, completion, token ids) expire this long after they were written "
+        "(gateway: per-field TTL). Must outlive Continue's 10 s reject window by far. Unset: "
+        "redis.rolloutTtlSeconds (1800).",
+    )
+    pending_samples_seconds: int = Field(
+        7 * 24 * 3600,
+        ge=3600,
+        description="Training samples no trainer has acknowledged are deleted this long after they were appended "
+        "(trainer, XTRIM MINID). Acknowledged samples are deleted as soon as a durable checkpoint holds them.",
+    )
+    audit_seconds: int = Field(
+        30 * 24 * 3600,
+        ge=3600,
+        description="Audit entries are trimmed this long after they were written (every audit writer's XADD trims "
+        "by age; the count cap of 100k entries stays).",
+    )
+    checkpoints_keep: int | None = Field(
+        None,
+        ge=1,
+        description="Published versions kept on the checkpoint volume (trainer; versions serving uses stay). Unset: "
+        "trainer.checkpoint.keep (5).",
+    )
+
+
+class PrivacyConfig(_Section):
+    """What is screened before anything is stored or trained, and how long what is stored lives (issue 38)."""
+
+    secret_screening: Literal["off", "audit", "block"] = Field(
+        "audit",
+        description="audit: a prompt or completion holding a credential (onlinerl/secret_scan.py) is served, recorded "
+        "without its text and token ids, and its feedback audited `secret_detected`, never trained. block: as audit, "
+        "and a prompt holding one is refused (400 `secret_in_prompt`) before it reaches the model. off: no screening.",
+    )
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
+
+
 class OnlineRLConfig(_Section):
     """The whole configuration: one object, one shape, for every component and for the CRD spec."""
 
@@ -822,6 +867,24 @@ class OnlineRLConfig(_Section):
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
+
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+
+    @model_validator(mode="after")
+    def _one_retention(self) -> OnlineRLConfig:
+        """``privacy.retention`` is where retention is stated; ``redis.rolloutTtlSeconds`` and
+        ``trainer.checkpoint.keep`` are older spellings of two of its fields. Set in ``privacy.retention``, the value
+        wins and the older field is overwritten with it; unset, the older field's value is copied in. Either way both
+        hold one value. (No refusal when both are given: on Kubernetes the API server fills the older field's
+        default into every spec.)"""
+        retention = self.privacy.retention
+        if retention.rollout_records_seconds is None:
+            retention.rollout_records_seconds = self.redis.rollout_ttl_seconds
+        self.redis.rollout_ttl_seconds = retention.rollout_records_seconds
+        if retention.checkpoints_keep is None:
+            retention.checkpoints_keep = self.trainer.checkpoint.keep
+        self.trainer.checkpoint.keep = retention.checkpoints_keep
+        return self
 
     @model_validator(mode="after")
     def _trainer_takes_what_is_served(self) -> OnlineRLConfig:

@@ -47,6 +47,18 @@ class SamplingParams(BaseModel):
         return self.temperature is not None and self.temperature < GREEDY_BELOW
 
 
+class SecretFindingRecord(BaseModel):
+    """Where a rollout held a credential (onlinerl/secret_scan.py): ``field`` (``prompt`` or ``completion``), the
+    rule's ``kind`` and the character span. Never the text: what is stored about a finding cannot leak it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    field: Literal["prompt", "completion"]
+    kind: str
+    start: int
+    end: int
+
+
 class RolloutRecord(_Record):
     """One completion the gateway served, as generated (before any client trimming)."""
 
@@ -77,6 +89,17 @@ class RolloutRecord(_Record):
         "routed (None: no canary running, or another arm): the canary whose per-user ledger "
         "(Keys.arm_users) counts it.",
     )
+    secrets: list[SecretFindingRecord] = Field(
+        default_factory=list,
+        description="Credentials the gateway found in the prompt or completion (privacy.secretScreening). When "
+        "non-empty the record is redacted: prompt, completion, token ids and log-probs are empty, so nothing of it "
+        "can be trained or read back; feedback audits its rating `secret_detected`.",
+    )
+
+    @property
+    def redacted(self) -> bool:
+        """Recorded without its text and tokens because it held a credential."""
+        return bool(self.secrets)
 
     @field_validator("arm", mode="before")
     @classmethod
@@ -109,6 +132,9 @@ class TrainingSample(_Record):
     match: Literal["exact", "prefix", "trimmed", "unverified", "silence"] = "exact"  # SILENCE_MATCH: never shown
     rollout_created_at: float = 0.0
     feedback_at: float = Field(default_factory=time.time)
+    user_hash: str = Field(
+        "", description="The served rollout's user (RolloutRecord.user_hash): whose code it is (`onlinerl forget`)."
+    )
 
     @property
     def unseen(self) -> bool:
@@ -131,6 +157,9 @@ class AuditEntry(_Record):
     first_outcome: str = Field("", description="duplicate only: outcome of the delivery that counted.")
     first_entry_id: str = Field("", description="duplicate only: stream id of the delivery that counted.")
     stream_id: str = Field("", description="trainer only: the samples-stream entry it refused (invalid or stale).")
+    user_hash: str = Field(
+        "", description="feedback: the sending key's user hash (onlinerl.auth.user_hash): `onlinerl forget` finds it."
+    )
 
 
 class CompletionOutcome(BaseModel):
@@ -179,6 +208,11 @@ class CheckpointManifest(_Record):
         None,
         description="The manual rollback (policy rollback_at) this version's lineage follows; copied from the parent, "
         "so a trainer resuming this version knows it has rebased onto that rollback already.",
+    )
+    contributors: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="tenant -> user hashes whose samples were trained into this version (since its parent): the "
+        "lineage `onlinerl forget` reports (which versions learned from a user's code).",
     )
 
 

@@ -7,15 +7,28 @@ and unless the version is newer than the last one announced). The entry's fields
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
 
 from onlinerl.dataplane.codec import entries, str_map
 from onlinerl.keys import Keys
 
-FIELDS = ("version", "path", "kind", "manifest_sha256", "created_at", "fence")
-"""An announcement's fields: the version, its folder, ``lora``/``full``, the manifest's digest, when, by which lease."""
+FIELDS = (
+    "version",
+    "path",
+    "kind",
+    "manifest_sha256",
+    "created_at",
+    "fence",
+    "rollback_at",
+    "parent_version",
+    "contributors",
+)
+"""An announcement's fields: the version, its folder, ``lora``/``full``, the manifest's digest, when, by which lease,
+the manual rollback its lineage follows, its parent version and who trained it (the manifest's ``contributors``)."""
 
 
 def last_announced(client: redis.Redis, keys: Keys) -> int:
@@ -31,3 +44,26 @@ async def read_after(
     kwargs: dict[str, int] = {"count": count} if block_ms is None else {"count": count, "block": block_ms}
     reply = await client.xread({keys.checkpoints: last_id}, **kwargs)
     return [(i, str_map(f)) for _stream, raw in reply or () for i, f in entries(raw)]
+
+
+@dataclass(frozen=True)
+class Announced:
+    """One announced version's lineage: its parent (-1: announced before announcements named it) and who trained it
+    (tenant -> user hashes; empty before announcements carried it)."""
+
+    version: int
+    parent: int
+    contributors: dict[str, list[str]]
+
+
+def lineage(client: redis.Redis, keys: Keys) -> list[Announced]:
+    """Every announced version's lineage, oldest first (`onlinerl forget`: which versions learned from whom)."""
+    out = []
+    for _id, raw in entries(client.xrange(keys.checkpoints)):
+        f = str_map(raw)
+        try:
+            contributors = orjson.loads(f.get("contributors") or "{}")
+            out.append(Announced(int(f["version"]), int(f.get("parent_version") or -1), dict(contributors)))
+        except (KeyError, ValueError, TypeError, orjson.JSONDecodeError):
+            continue
+    return out

@@ -7,8 +7,10 @@ our pipelined connection answers HGETALL as a dict under RESP3 and a flat list u
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import orjson
 
 DATA = "data"
 """The one field of every JSON-carrying stream entry (samples, audit, decisions): ``XADD <stream> * data <json>``."""
@@ -42,3 +44,22 @@ def entries(raw: Iterable[Any] | None) -> list[tuple[str, dict[str, Any]]]:
             continue
         out.append((text(entry_id), {text(k): v for k, v in pairs(fields)}))
     return out
+
+
+def matching_entries(client: Any, stream: str, wanted: Callable[[dict], bool], page: int = 1000) -> list[str]:
+    """Ids of the stream's entries whose ``data`` JSON object satisfies ``wanted``, oldest first, read in pages of
+    ``page`` (an admin's scan: `onlinerl forget`). Undecodable entries never match."""
+    out: list[str] = []
+    start = "-"
+    while True:
+        batch = entries(client.xrange(stream, min=start, count=page))
+        for entry_id, fields in batch:
+            try:
+                obj = orjson.loads(fields.get(DATA, b"") or b"null")
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and wanted(obj):
+                out.append(entry_id)
+        if len(batch) < page:
+            return out
+        start = "(" + batch[-1][0]

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.keys import RATED_FIELD_PREFIX, Keys, prompt_digest
 from onlinerl.schemas import RolloutRecord
@@ -150,16 +152,23 @@ class RecordWritten:
 
 
 def record_command(
-    keys: Keys, record: RolloutRecord, ttl_seconds: int, max_records: int, silence_due: bool
+    keys: Keys,
+    record: RolloutRecord,
+    ttl_seconds: int,
+    max_records: int,
+    silence_due: bool,
+    prompt: str | None = None,
 ) -> tuple[Any, ...]:
     """The one EVAL (full source: it is pipelined, so a NOSCRIPT retry could reorder replies) that stores
     ``record`` for ``ttl_seconds``, keeps its tenant at ``max_records`` at most and, if ``silence_due``, marks it
-    due."""
+    due. ``prompt``: the served prompt, whose digest names the hash (default the record's own; a record redacted for
+    a credential holds none, and is still filed under its prompt's digest so that its feedback finds it)."""
     tenant = record.tenant
+    prompt = record.prompt if prompt is None else prompt
     finished = record.finished_at or record.created_at
     ledger = user_ledger(keys, record)
     ks = [
-        keys.rollouts(tenant, record.prompt),
+        keys.rollouts(tenant, prompt),
         keys.stats(record.policy_version, record.arm),
         keys.rollouts_index(tenant),
         ledger[0] if ledger else keys.stats(record.policy_version, record.arm),
@@ -170,7 +179,7 @@ def record_command(
         record.rollout_id,
         record.to_json(),
         str(ttl_seconds),
-        member(record.prompt, record.rollout_id),
+        member(prompt, record.rollout_id),
         repr(finished),
         repr(finished - ttl_seconds),
         str(max_records),
@@ -277,3 +286,59 @@ async def settle_silences(client: Any, keys: Keys, tenant: str, settles: Sequenc
     for s in settles:
         writes.execute_command(*SETTLE_SILENCE.eval_command(*settle_args(keys, tenant, s)))
     return [int(reply[0]) for reply in await writes.execute()]
+
+
+# --- `onlinerl forget` (admin) ---------------------------------------------------------------------------------
+@dataclass
+class ForgottenRecords:
+    """What ``forget_records`` deleted: rollout records, their rated marks, index and due entries; and the user
+    hashes of the records it saw (a tenant-wide forget removes those users' per-user counters too)."""
+
+    records: int = 0
+    rated_marks: int = 0
+    index_entries: int = 0
+    users: set[str] | None = None
+
+
+def forget_records(client: redis.Redis, keys: Keys, tenant: str, user: str | None) -> ForgottenRecords:
+    """Delete ``tenant``'s rollout records (only ``user``'s: records whose ``user_hash`` is it), with their rated
+    marks and their entries in the tenant's index and silence due-set. Each record is deleted by its field (its
+    rollout id, never reused), so a record written meanwhile by the gateway for another user is left alone; one
+    written for ``user`` after the scan passed its hash is not deleted (revoke the key first: see `onlinerl forget`)."""
+    out = ForgottenRecords(users=set())
+    members: list[str] = []
+    for key in client.scan_iter(match=keys.rollouts_by_digest(tenant, "*"), count=500):
+        digest = text(key).rsplit(":", 1)[1]
+        drop: list[str] = []
+        for name, value in pairs(client.hgetall(key)):
+            name = text(name)
+            if name.startswith(RATED_FIELD_PREFIX):
+                continue
+            try:
+                rec = RolloutRecord.model_validate_json(value)
+            except ValueError:
+                rec = None
+            if rec is not None and rec.user_hash:
+                out.users.add(rec.user_hash)  # type: ignore[union-attr]
+            if user is None or (rec is not None and rec.user_hash == user):
+                drop += [name, keys.rated_field(name)]
+                members.append(f"{digest} {name}")
+        if drop:
+            pipe = client.pipeline(transaction=False)
+            pipe.hdel(key, *drop[0::2])
+            pipe.hdel(key, *drop[1::2])
+            deleted, marks = pipe.execute()
+            out.records += int(deleted)
+            out.rated_marks += int(marks)
+    if user is None:  # the whole tenant: its rated marks of records already gone, and both sorted sets
+        for key in client.scan_iter(match=keys.rollouts_by_digest(tenant, "*"), count=500):
+            out.rated_marks += int(client.hlen(key))
+            client.unlink(key)
+        out.index_entries = int(client.zcard(keys.rollouts_index(tenant))) + int(client.zcard(keys.silence_due(tenant)))
+        client.unlink(keys.rollouts_index(tenant), keys.silence_due(tenant))
+    elif members:
+        for i in range(0, len(members), 500):
+            part = members[i : i + 500]
+            out.index_entries += int(client.zrem(keys.rollouts_index(tenant), *part))
+            out.index_entries += int(client.zrem(keys.silence_due(tenant), *part))
+    return out

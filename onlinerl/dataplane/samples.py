@@ -12,14 +12,14 @@ pending entries at once; entries of any other consumer are taken over by XAUTOCL
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.exceptions import ResponseError
 
-from onlinerl.dataplane.codec import DATA, entries, text
+from onlinerl.dataplane.codec import DATA, entries, matching_entries, text
 from onlinerl.dataplane.scripts import Caller, Script
 from onlinerl.dataplane.trainer import Lease
 from onlinerl.keys import SAMPLES_GROUP, Keys
@@ -228,3 +228,63 @@ def add(client: redis.Redis, keys: Keys, entry: bytes | str, entry_id: str = "*"
 def read_all(client: redis.Redis, keys: Keys, count: int | None = None, start: str = "-") -> list[tuple[str, Any]]:
     """(id, data) of the stream's entries from ``start`` on, oldest first (benchmarks checking what was appended)."""
     return [(i, f.get(DATA, b"")) for i, f in entries(client.xrange(keys.samples, min=start, count=count))]
+
+
+# --- `onlinerl forget` (admin) ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForgottenSamples:
+    """What ``forget_samples`` deleted: samples (and how many of them a trainer had already read but not
+    acknowledged: it may still train them into its next version), and idempotency marks (tenant-wide only)."""
+
+    samples: int
+    delivered: int
+    seen_marks: int
+
+
+def _owned(tenant: str, user: str | None) -> Callable[[dict], bool]:
+    return lambda d: d.get("tenant") == tenant and (user is None or d.get("user_hash") == user)
+
+
+def forget_samples(client: redis.Redis, keys: Keys, tenant: str, user: str | None) -> ForgottenSamples:
+    """XDEL every pending sample of ``tenant`` (of ``user``: its rollout's ``user_hash``) and XACK it for the
+    trainers' group, so no trainer reads it again. A sample appended after the scan passed is not deleted. One
+    already delivered to a trainer (in the group's pending list) is deleted from the stream, but the trainer may hold
+    it in memory: it is counted in ``delivered`` (the next version may still be trained on it)."""
+    ids = matching_entries(client, keys.samples, _owned(tenant, user))
+    delivered = 0
+    if ids:
+        try:
+            pending = client.xpending_range(keys.samples, SAMPLES_GROUP, min="-", max="+", count=1_000_000)
+            held = {text(p["message_id"]) for p in pending}
+        except ResponseError:  # no group yet: nobody read anything
+            held = set()
+        delivered = len(held.intersection(ids))
+    deleted = 0
+    for i in range(0, len(ids), 500):
+        part = ids[i : i + 500]
+        deleted += int(client.xdel(keys.samples, *part))
+        try:
+            client.xack(keys.samples, SAMPLES_GROUP, *part)
+        except ResponseError:
+            pass
+    seen = 0
+    if user is None:  # `seen:{tenant}:*` names a completion id, not a user: only a tenant-wide forget removes them
+        for key in client.scan_iter(match=keys.seen(tenant, "*"), count=1000):
+            seen += int(client.unlink(key))
+    return ForgottenSamples(deleted, delivered, seen)
+
+
+# --- retention (privacy.retention.pendingSamplesSeconds): the trainer's keeper -----------------------------------
+def trim_expired(client: redis.Redis, keys: Keys, cutoff_ms: int) -> int:
+    """Delete samples appended before ``cutoff_ms`` (unix ms) that no trainer acknowledged (XTRIM MINID, exact) and
+    drop them from the group's pending list, so nothing waits for them. Returns how many were deleted."""
+    deleted = int(client.xtrim(keys.samples, minid=str(cutoff_ms), approximate=False))
+    if deleted:
+        try:
+            stale = client.xpending_range(keys.samples, SAMPLES_GROUP, min="-", max=f"{cutoff_ms - 1}", count=100_000)
+        except ResponseError:
+            return deleted
+        ids = [text(p["message_id"]) for p in stale]
+        for i in range(0, len(ids), 500):
+            client.xack(keys.samples, SAMPLES_GROUP, *ids[i : i + 500])
+    return deleted

@@ -50,3 +50,16 @@ def read_all(client: redis.Redis, keys: Keys) -> dict[tuple[int, str], dict[str,
         except ValueError:
             continue
     return out
+
+
+def forget_users(client: redis.Redis, keys: Keys, users: set[str]) -> int:
+    """`onlinerl forget` (admin): delete ``users``' fields (``<user>:<counter>``) from every canary's per-user ledger
+    (``Keys.arm_users``); the arm totals stay (they name no one). Returns the fields deleted."""
+    deleted = 0
+    if not users:
+        return 0
+    for key in client.scan_iter(match=f"{keys.prefix}stats:v*:users:*", count=500):
+        fields = [f for f, _ in str_map(client.hgetall(key)).items() if f.rpartition(":")[0] in users]
+        if fields:
+            deleted += int(client.hdel(key, *fields))
+    return deleted

@@ -36,6 +36,7 @@ from onlinerl.config import OnlineRLConfig
 from onlinerl.http_errors import error_object, error_type
 from onlinerl.keys import Keys, prompt_digest
 from onlinerl.schemas import AuditEntry, CompletionOutcome
+from onlinerl.secret_scan import FieldFinding, scan_fields
 from onlinerl.tokens import TokenTable
 
 from .backlog import BacklogMonitor
@@ -47,6 +48,7 @@ from .openapi import DATA_PATH, SUBMIT_PATH, openapi_document
 from .pipeliner import Pipeliner, RedisUnavailable
 from .prompts import configured_template, event_prompt
 from .raters import rater_of
+from .retention import AuditRetention
 from .store import FeedbackStore
 from .sweeper import SilenceSweeper, silence_counter
 
@@ -165,6 +167,17 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
     metrics = FeedbackMetrics()
     silenced = silence_counter(metrics.registry)  # onlinerl_feedback_silence_total{result}
     template = configured_template(cfg)
+
+    def screen_event(prompt: str, completion: str) -> list[FieldFinding]:
+        """privacy.secretScreening on the event itself (the gateway screened what it served; this catches what it
+        did not, e.g. records written with screening off), counted by kind; never logged."""
+        if cfg.privacy.secret_screening == "off":
+            return []
+        findings = scan_fields([("prompt", prompt), ("completion", completion)])
+        for f in findings:
+            metrics.secret_findings.labels(f.kind, f.field).inc()
+        return findings
+
     retry_after = {"Retry-After": str(fb.retry_after_seconds)}
     deps: Deps | None = None
 
@@ -180,12 +193,15 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         monitor.start()
         sweeper = SilenceSweeper(client, keys, fb, silenced)  # starts only if a tenant has silence on
         sweeper.start()
+        retention = AuditRetention(client, keys, cfg.privacy.retention.audit_seconds)  # issue 38
+        retention.start()
         store = FeedbackStore(reads, writes, keys, fb.dedupe_ttl_seconds, cfg.redis.rollout_ttl_seconds, fb.limits)
         deps = Deps(store, monitor, client)
         app.state.deps = deps
         try:
             yield
         finally:
+            await retention.close()
             await sweeper.close()
             await monitor.close()
             await writes.close()
@@ -317,11 +333,26 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
                 tenant=tenant,
             )
         prompt = event_prompt(event, template)
+        secrets = screen_event(prompt, event.completion)  # a credential: audited without text, never trained
+        sender = rater_of(headers.get(b"authorization"), "user") or ""
         try:
             found = await deps.store.rollouts(tenant, prompt)
             rater = rater_of(headers.get(b"authorization"), fb.rate_scope)
-            decision = decide(event, tenant, prompt, found.records, fb, rated=found.rated, table=table, rater=rater)
-            result = await deps.store.append(event, tenant, prompt, decision, user)
+            decision = decide(
+                event,
+                tenant,
+                prompt,
+                found.records,
+                fb,
+                rated=found.rated,
+                table=table,
+                rater=rater,
+                secrets=secrets,
+                sender=sender,
+            )
+            if secrets:  # what the store may still audit (a duplicate delivery) never holds the text
+                event = event.model_copy(update={"completion": "", "prompt": "", "prefix": "", "suffix": ""})
+            result = await deps.store.append(event, tenant, prompt, decision, user, sender)
         except (RedisUnavailable, RedisError, OSError) as exc:
             raise redis_down(exc, tenant) from None
         body = {"completion_id": event.completion_id, "tenant": tenant}

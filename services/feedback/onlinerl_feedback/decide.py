@@ -16,12 +16,14 @@ arms (stable, candidate) never see it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from onlinerl.arms import EVAL
 from onlinerl.config import FeedbackConfig
 from onlinerl.keys import prompt_digest
 from onlinerl.schemas import AuditEntry, CompletionOutcome, RolloutRecord, TrainingSample
+from onlinerl.secret_scan import FieldFinding
 from onlinerl.tokens import TokenTable
 
 from .join import Join, common_prefix_join, find_join
@@ -47,6 +49,9 @@ NOT_OWN_ROLLOUT = "not_own_rollout"
 # Reasons of a `rejected` event that would have contributed but whose user may not (limits.py, decided in the script).
 CONTRIBUTION_LIMIT = "contribution_limit"
 QUARANTINED = "quarantined"
+# The event's prompt or shown text holds a credential, or it rates a rollout the gateway recorded without its text for
+# holding one (privacy.secretScreening, onlinerl/secret_scan.py): audited without any text, never trained or counted.
+SECRET_DETECTED = "secret_detected"
 
 AUDIT_TEXT_LIMIT = 4096  # audit keeps the shown text for inspection, capped so a hostile client cannot bloat it
 
@@ -91,8 +96,10 @@ def audit_entry(
     now: float,
     rollout_id: str = "",
     first: str = "",
+    sender: str = "",
 ) -> bytes:
-    """The audit stream's record of an event that is not trained on (``first``: what a duplicate repeats)."""
+    """The audit stream's record of an event that is not trained on (``first``: what a duplicate repeats; ``sender``:
+    the sending key's user hash, which `onlinerl forget` finds it by)."""
     first_outcome, _, first_entry_id = first.partition(" ")
     return AuditEntry(
         event_id=event.completion_id,
@@ -106,6 +113,7 @@ def audit_entry(
         rollout_id=rollout_id,
         first_outcome=first_outcome,
         first_entry_id=first_entry_id,
+        user_hash=sender,
     ).to_json()
 
 
@@ -141,11 +149,19 @@ def _sample(event: CompletionOutcome, tenant: str, joined: Join, reward: float, 
         match=match,
         rollout_created_at=r.created_at,
         feedback_at=now,
+        user_hash=r.user_hash,
     ).to_json()
 
 
 def duplicate(
-    event: CompletionOutcome, tenant: str, prompt: str, reason: str, first: str, rollout_id: str = "", now: float = 0.0
+    event: CompletionOutcome,
+    tenant: str,
+    prompt: str,
+    reason: str,
+    first: str,
+    rollout_id: str = "",
+    now: float = 0.0,
+    sender: str = "",
 ) -> Decision:
     """An event that repeats one already counted: audited (with what it repeats), nothing trained, nothing counted."""
     now = now or time.time()
@@ -156,7 +172,7 @@ def duplicate(
     return Decision(
         DUPLICATE,
         False,
-        audit_entry(event, tenant, prompt, DUPLICATE, reason, now, rollout_id, first),
+        audit_entry(event, tenant, prompt, DUPLICATE, reason, now, rollout_id, first, sender),
         reason,
         details=details,
         first=first,
@@ -182,6 +198,42 @@ def _best_unrated(
     return joined
 
 
+def secret_decision(
+    event: CompletionOutcome,
+    tenant: str,
+    prompt: str,
+    now: float,
+    rates: RolloutRecord | None,
+    findings: Sequence[FieldFinding],
+) -> Decision:
+    """An event that holds a credential, or rates a rollout recorded without its text for holding one: audited with
+    no text at all (the finding kinds and positions go in the reply only), never trained, no counter. It rates the
+    rollout when there is one, so a silence or a later event cannot produce a sample for it."""
+    rid = rates.rollout_id if rates is not None else ""
+    scrubbed = event.model_copy(update={"completion": ""})
+    entry = audit_entry(scrubbed, tenant, prompt, REJECTED, SECRET_DETECTED, now, rid)
+    details: dict = {"findings": [{"field": f.field, "kind": f.kind, "start": f.start, "end": f.end} for f in findings]}
+    if rid:
+        details["rollout_id"] = rid
+    return Decision(
+        REJECTED,
+        False,
+        entry,
+        SECRET_DETECTED,
+        details=details,
+        rates=rid,
+        served_user=rates.user_hash if rates is not None else "",
+    )
+
+
+def _with_sender(decision: Decision, sender: str) -> Decision:
+    """Stamp the sending key's user hash on an audit entry (samples carry the served user's already)."""
+    if not sender or decision.to_samples:
+        return decision
+    entry = AuditEntry.from_json(decision.entry).model_copy(update={"user_hash": sender})
+    return replace(decision, entry=entry.to_json())
+
+
 def decide(
     event: CompletionOutcome,
     tenant: str,
@@ -192,29 +244,59 @@ def decide(
     rated: dict[str, str] | None = None,
     table: TokenTable | None = None,
     rater: str | None = None,
+    secrets: Sequence[FieldFinding] = (),
+    sender: str = "",
 ) -> Decision:
     """Join, reward and route one event (see docs/architecture.md, "Join rule"). ``rated``: rollout_id -> first
     outcome of the rollouts of this prompt already rated when they were read (the append re-checks atomically);
     ``table``: the served model's token byte table the join cuts with (join.py); ``rater``: the rating key's user
-    hash, so it joins only rollouts served to it (None: any of the tenant's, ``feedback.rateScope: tenant``)."""
+    hash, so it joins only rollouts served to it (None: any of the tenant's, ``feedback.rateScope: tenant``);
+    ``secrets``: what the secret screening found in the event itself (``SECRET_DETECTED``); ``sender``: the sending
+    key's user hash, stamped on the audit entry."""
+    return _with_sender(_decide(event, tenant, prompt, records, cfg, now, rated, table, rater, secrets), sender)
+
+
+def _decide(
+    event: CompletionOutcome,
+    tenant: str,
+    prompt: str,
+    records: list[RolloutRecord],
+    cfg: FeedbackConfig,
+    now: float | None,
+    rated: dict[str, str] | None,
+    table: TokenTable | None,
+    rater: str | None,
+    secrets: Sequence[FieldFinding],
+) -> Decision:
     now = time.time() if now is None else now
     rated = rated or {}
     if event.cache_hit:
-        return Decision(REJECTED, False, audit_entry(event, tenant, prompt, REJECTED, CACHE_HIT, now), CACHE_HIT)
+        scrubbed = event.model_copy(update={"completion": ""}) if secrets else event
+        return Decision(REJECTED, False, audit_entry(scrubbed, tenant, prompt, REJECTED, CACHE_HIT, now), CACHE_HIT)
     own = [r for r in records if r.tenant == tenant and served_to(r, rater)]
-    joined = _best_unrated(own, rated, event.completion, tenant, table)
+    clear = [r for r in own if not r.redacted]
+    joined = _best_unrated(clear, rated, event.completion, tenant, table)
+    hidden = [r for r in own if r.redacted and r.rollout_id not in rated]
+    if secrets or (joined is None and hidden):
+        # the rollout it rates: the one it joined, else the newest unrated one recorded without its text
+        target = joined.record if joined is not None else max(hidden, key=lambda r: r.created_at, default=None)
+        found = list(secrets) or [
+            FieldFinding(f.field, f.kind, f.start, f.end) for f in (target.secrets if target else ())
+        ]
+        return secret_decision(event, tenant, prompt, now, target, found)
     if joined is None and rated:
-        again = find_join([r for r in own if r.rollout_id in rated], event.completion, tenant, table)
+        again = find_join([r for r in clear if r.rollout_id in rated], event.completion, tenant, table)
         if again is not None:
             rid = again.record.rollout_id
             return duplicate(event, tenant, prompt, ROLLOUT_ALREADY_RATED, rated[rid], rid, now)
     if joined is None:
-        foreign = find_join([r for r in records if not served_to(r, rater)], event.completion, tenant, table)
+        others = [r for r in records if not served_to(r, rater) and not r.redacted]
+        foreign = find_join(others, event.completion, tenant, table)
         if foreign is not None:  # another key's rollout: audited with it, left for its own user to rate
             entry = audit_entry(event, tenant, prompt, REJECTED, NOT_OWN_ROLLOUT, now, foreign.record.rollout_id)
             return Decision(REJECTED, False, entry, NOT_OWN_ROLLOUT)
         reason = "text_mismatch" if own else "no_rollout"
-        trainable = [r for r in own if r.rollout_id not in rated and r.arm != EVAL and not r.sampling.greedy]
+        trainable = [r for r in clear if r.rollout_id not in rated and r.arm != EVAL and not r.sampling.greedy]
         if cfg.train_unmatched and trainable:
             newest = max(trainable, key=lambda r: r.created_at)
             partial = common_prefix_join(newest, event.completion, table)

@@ -24,6 +24,12 @@ class FeedbackMetrics:
         r = self.registry
         # Gauges: every worker refreshes the same backlog figures, so the pod's value is the latest one written.
         gauge_mode = "mostrecent" if self.multiprocess_dir else "all"
+        self.secret_findings = Counter(
+            "onlinerl_feedback_secret_findings_total",
+            "Credentials found in feedback events (privacy.secretScreening): audited secret_detected, never trained.",
+            ["kind", "field"],
+            registry=r,
+        )
         self.events = Counter(
             "onlinerl_feedback_events_total",
             "Feedback events by outcome and tenant.",

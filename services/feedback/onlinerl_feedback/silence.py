@@ -19,7 +19,7 @@ from onlinerl.config import RewardConfig
 from onlinerl.keys import prompt_digest
 from onlinerl.schemas import SILENCE_MATCH, AuditEntry, RolloutRecord, TrainingSample
 
-from .decide import AUDIT_TEXT_LIMIT, EVAL_ARM, GREEDY, Counters
+from .decide import AUDIT_TEXT_LIMIT, EVAL_ARM, GREEDY, SECRET_DETECTED, Counters
 
 SILENT = "silent"  # outcome in the rollout's rated mark and in the audit: the server, not a client, rated it
 NO_TOKENS = "no_tokens"  # the record holds no generated token with a log-prob (nothing the trainer could learn)
@@ -52,6 +52,7 @@ def decide_silence(record: RolloutRecord, reward: RewardConfig, now: float) -> S
     """The sample (reward ``reward.empty``, every generated token) or the audit entry for one silenced rollout."""
     if record.arm == EVAL or record.sampling.greedy or not _trainable_tokens(record):
         reason = EVAL_ARM if record.arm == EVAL else GREEDY if record.sampling.greedy else NO_TOKENS
+        reason = SECRET_DETECTED if record.redacted else reason  # recorded without its text: a credential
         entry = AuditEntry(
             event_id=event_id(record.rollout_id),
             tenant=record.tenant,
@@ -61,6 +62,7 @@ def decide_silence(record: RolloutRecord, reward: RewardConfig, now: float) -> S
             prompt_digest=prompt_digest(record.prompt),
             received_at=now,
             rollout_id=record.rollout_id,
+            user_hash=record.user_hash,
         ).to_json()
         return SilenceDecision(False, entry, reason, record.policy_version, record.arm)
     sample = TrainingSample(
@@ -79,5 +81,6 @@ def decide_silence(record: RolloutRecord, reward: RewardConfig, now: float) -> S
         match=SILENCE_MATCH,
         rollout_created_at=record.created_at,
         feedback_at=now,
+        user_hash=record.user_hash,
     ).to_json()
     return SilenceDecision(True, sample, "", record.policy_version, record.arm)

@@ -100,7 +100,13 @@ class FeedbackStore:
         return await audit.append(self._p, self._keys, entry)
 
     async def append(
-        self, event: CompletionOutcome, tenant: str, prompt: str, decision: Decision, user: str = ANONYMOUS_USER
+        self,
+        event: CompletionOutcome,
+        tenant: str,
+        prompt: str,
+        decision: Decision,
+        user: str = ANONYMOUS_USER,
+        sender: str = "",
     ) -> AppendResult:
         """Append ``decision`` atomically, or audit it if ``user`` is quarantined or over its contribution limit
         (limits.py); a duplicate is audited instead (see the module doc)."""
@@ -148,10 +154,12 @@ class FeedbackStore:
             return AppendResult(True, decision.status, value, quarantined_now=fresh)
         if status == 2:  # the rollout was rated between our read and the script: audit this one as a duplicate
             rid = decision.rates
-            dup = duplicate(event, tenant, prompt, ROLLOUT_ALREADY_RATED, value, rid)
-            return await self.append(event, tenant, prompt, dup)
+            dup = duplicate(event, tenant, prompt, ROLLOUT_ALREADY_RATED, value, rid, sender=sender)
+            return await self.append(event, tenant, prompt, dup, user, sender)
         # completionId recorded before: the verdict stands; this delivery is audited only (a plain capped XADD).
         outcome, _, entry_id = value.partition(" ")
-        entry = audit_entry(event, tenant, prompt, DUPLICATE, COMPLETION_ID_SEEN, time.time(), decision.rates, value)
+        entry = audit_entry(
+            event, tenant, prompt, DUPLICATE, COMPLETION_ID_SEEN, time.time(), decision.rates, value, sender
+        )
         audit_id = await audit.append(self._p, self._keys, entry)
         return AppendResult(False, outcome, entry_id, COMPLETION_ID_SEEN, audit_id)

@@ -163,14 +163,15 @@ class RolloutStore:
         self.eviction_log = EvictionLog()
         self._pipe = PipelinedConnection(redis)
 
-    def command(self, record: RolloutRecord) -> tuple:
-        """The one EVAL that records ``record`` (and, for a tenant with silence tracking on, marks it due)."""
+    def command(self, record: RolloutRecord, prompt: str | None = None) -> tuple:
+        """The one EVAL that records ``record`` (and, for a tenant with silence tracking on, marks it due).
+        ``prompt``: the served prompt, whose digest names the record's hash (a redacted record holds no prompt)."""
         tracked = self.silence.tracked(record.tenant)
-        return rollouts.record_command(self.keys, record, self.ttl_seconds, self.max_records, tracked)
+        return rollouts.record_command(self.keys, record, self.ttl_seconds, self.max_records, tracked, prompt)
 
-    async def send(self, record: RolloutRecord) -> asyncio.Future:
+    async def send(self, record: RolloutRecord, prompt: str | None = None) -> asyncio.Future:
         """Send the write now (readable by others once Redis reads it); the future is Redis's acknowledgement."""
-        (acknowledged,) = await self._pipe.send([self.command(record)])
+        (acknowledged,) = await self._pipe.send([self.command(record, prompt)])
         return acknowledged
 
     def acknowledged(self, tenant: str, reply: Any) -> rollouts.RecordWritten:

@@ -45,6 +45,7 @@ from onlinerl_serving.requests import (
 )
 from onlinerl_serving.routing import Route as PolicyRoute
 from onlinerl_serving.routing import choose, route, served_model_name, user_hash
+from onlinerl_serving.screening import SecretScreen
 from onlinerl_serving.state import ServingState
 from onlinerl_serving.upstream import EnginePool, EngineTimeout, EngineUnavailable, UpstreamResponse
 from onlinerl_serving.weights_gate import WeightsUnknown, weights_endpoint
@@ -121,6 +122,7 @@ class Gateway:
             cfg.serving.max_records_per_tenant,
             self.metrics.records_evicted,
         )
+        self.screen = SecretScreen(cfg.privacy.secret_screening, self.metrics.registry)  # issue 38
 
     # --- routing ------------------------------------------------------------------------------------------------
     def pick(self, uhash: str, forced: int | None = None, held: int | None = None) -> tuple[PolicyRoute, str]:
@@ -172,6 +174,7 @@ class Gateway:
             if forced is not None and not identity.may_pin:
                 raise pin_forbidden(identity.role)
             req = parse_completion_request(await self._read_body(scope, receive), self.limits)
+            self.screen.check_prompt(req.prompt)  # block mode: a prompt holding a credential never reaches the model
             if not self.state.redis_up:
                 raise unavailable(
                     "the rollout store (Redis) is unavailable; retry shortly", self.cfg.serving.retry_after_seconds
@@ -361,8 +364,9 @@ class Gateway:
             rollout_id=ctx.rollout_id,
             canary=ctx.canary,
         )
+        record = self.screen.screen(record)  # a credential in the prompt or completion: recorded without the text
         try:
-            acknowledged = await self.rollouts.send(record)
+            acknowledged = await self.rollouts.send(record, ctx.req.prompt)
         except Exception as exc:
             acknowledged = loop.create_future()
             acknowledged.set_exception(exc)

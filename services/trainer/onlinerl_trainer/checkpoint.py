@@ -51,6 +51,7 @@ def render_manifest(
     created_at: float | None = None,
     rebased_from: int | None = None,
     rollback_at: float | None = None,
+    contributors: dict[str, list[str]] | None = None,
 ) -> CheckpointManifest:
     """Pure: the manifest of one version. ``sample_ids`` are the stream ids trained since the parent version;
     ``rebased_from`` / ``rollback_at``: the lineage after a manual rollback (CheckpointManifest)."""
@@ -70,6 +71,7 @@ def render_manifest(
         files=files,
         rebased_from=rebased_from,
         rollback_at=rollback_at,
+        contributors=contributors or {},
     )
 
 

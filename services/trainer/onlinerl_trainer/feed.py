@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from onlinerl.config import TrainerConfig
@@ -58,6 +59,8 @@ class SampleFeed:
         self.trained_by_version = trained_by_version  # kept versions -> their sample ids (in the resumed weights)
         self.trained_ids: set[str] = {sid for ids in trained_by_version.values() for sid in ids}
         self.open_ids: list[str] = []  # trained since the last published version (acknowledged with the next one)
+        # tenant -> user hashes whose samples are in open_ids: the next manifest's lineage (`onlinerl forget`)
+        self.open_contributors: dict[str, set[str]] = {}
 
     # --- start and Redis hiccups --------------------------------------------------------------------------------
     def recover(self) -> Recovery:
@@ -211,12 +214,20 @@ class SampleFeed:
         return keep, discard, refused
 
     # --- bookkeeping after training and publishing --------------------------------------------------------------
-    def trained(self, ids: list[str]) -> None:
+    def trained(self, ids: list[str], contributors: Iterable[tuple[str, str]] = ()) -> None:
+        """``contributors``: (tenant, user hash) of the samples trained, kept for the next manifest's lineage."""
         self.open_ids.extend(ids)
+        for tenant, user in contributors:
+            self.open_contributors.setdefault(tenant, set()).add(user)
+
+    def take_contributors(self) -> dict[str, list[str]]:
+        """The open version's contributors, sorted (its manifest's ``contributors``)."""
+        return {tenant: sorted(users) for tenant, users in sorted(self.open_contributors.items())}
 
     def sealed(self, version: int) -> list[str]:
         """The open version became ``version``: its ids are now trained into a kept manifest."""
         ids, self.open_ids = self.open_ids, []
+        self.open_contributors = {}
         self.trained_by_version[version] = ids
         self.trained_ids.update(ids)
         return ids
@@ -226,6 +237,7 @@ class SampleFeed:
         is not in them any more, so those entries (still pending at our consumer) are trained again, and "already
         trained" means the new lineage's manifests. Returns how many entries were queued again."""
         untrained, self.open_ids = set(self.open_ids), []
+        self.open_contributors = {}  # those entries are trained again, and counted again then
         self.trained_by_version = trained_by_version
         self.trained_ids = {sid for ids in trained_by_version.values() for sid in ids}
         queued = {e.sample_id for e in self.replay}

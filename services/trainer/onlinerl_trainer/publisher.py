@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 import redis
 import torch
 
@@ -110,6 +111,7 @@ class Publisher:
         meta: dict,
         rebased_from: int | None = None,
         rollback_at: float | None = None,
+        contributors: dict[str, list[str]] | None = None,
     ) -> int:
         """v{N+1} (weights + manifest) and its resume state on disk. Nothing is announced or acknowledged yet.
         ``rebased_from``, ``rollback_at``: the manifest's lineage after a manual rollback (Trainer.follow_rollback)."""
@@ -129,6 +131,7 @@ class Publisher:
                 files=files,
                 rebased_from=rebased_from,
                 rollback_at=rollback_at,
+                contributors=contributors,
             )
 
         self.store.publish(version, lambda tmp: save_weights(module, weights, tmp), manifest_for)
@@ -172,6 +175,7 @@ class Publisher:
     def announce(self, version: int) -> None:
         """XADD the version (fenced). ``rollback_at``: the manual rollback its lineage follows (0.0: none), so that
         serving and the rollout never make stable or gate a version trained on weights a rollback dropped."""
+        manifest = self.store.manifest(version)
         self.lease.announce(
             {
                 "version": str(version),
@@ -179,7 +183,10 @@ class Publisher:
                 "kind": self.tcfg.weights,
                 "manifest_sha256": self.store.manifest_sha256(version),
                 "created_at": repr(time.time()),
-                "rollback_at": repr(self.store.manifest(version).rollback_at or 0.0),
+                "rollback_at": repr(manifest.rollback_at or 0.0),
+                # lineage for `onlinerl forget` (issue 38): who trained this version, and what it was trained from
+                "parent_version": str(manifest.parent_version),
+                "contributors": orjson.dumps(manifest.contributors).decode(),
             }
         )
 

@@ -37,6 +37,7 @@ import torch
 
 from onlinerl.config import OnlineRLConfig
 from onlinerl.dataplane import policy
+from onlinerl.dataplane import samples as sample_family
 from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
 from onlinerl.schemas import PolicyTable
@@ -84,6 +85,7 @@ class Trainer:
     ) -> None:
         assert ranks.leader, "followers run a Learner only (learner.follow)"
         self.cfg = cfg
+        self._retention_checked_at = 0.0  # enforce_retention: the last check (unix s)
         self.tcfg = cfg.trainer
         self.algo = cfg.trainer.algorithm
         self.keys = Keys(cfg.job)
@@ -206,6 +208,7 @@ class Trainer:
                     continue
                 if self.should_publish():
                     self.publish()
+                self.enforce_retention()
                 backoff = 0.5
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("redis unavailable (%s): retrying in %.1fs", exc, backoff)
@@ -216,6 +219,21 @@ class Trainer:
             self.publish()  # graceful stop: what was trained is published, then acknowledged
         self.learner.stop_followers()
         self._status("stopped")
+
+    def enforce_retention(self, now: float | None = None, every: float = 60.0) -> int:
+        """Delete samples no trainer acknowledged within ``privacy.retention.pendingSamplesSeconds`` (at most once a
+        minute): the trainer owns the samples stream, so it enforces its retention. Returns how many went."""
+        now = time.time() if now is None else now
+        if now - self._retention_checked_at < every:
+            return 0
+        self._retention_checked_at = now
+        keep = self.cfg.privacy.retention.pending_samples_seconds
+        deleted = sample_family.trim_expired(self.client, self.keys, int((now - keep) * 1000))
+        if deleted:
+            log.warning(
+                "%d samples older than privacy.retention.pendingSamplesSeconds=%d deleted untrained", deleted, keep
+            )
+        return deleted
 
     def collect(self, stop: threading.Event | None = None, poll_ms: int = 500) -> list[Entry]:
         """Up to ``batchSize`` entries (see SampleFeed.collect); returns early when a publish is due."""
@@ -256,7 +274,7 @@ class Trainer:
         self.step += 1
         self.steps_since_publish += 1
         self.samples_trained += len(ids)
-        self.feed.trained(ids)
+        self.feed.trained(ids, ((s.sample.tenant, s.sample.user_hash) for s in samples))
         rewards = [s.sample.reward for s in samples]
         stats = {
             **result.stats,
@@ -361,6 +379,7 @@ class Trainer:
             },
             rebased_from=self.rebased_from,
             rollback_at=self.rollback_at,
+            contributors=self.feed.take_contributors(),
         )
         self.rebased_from = None
         self.version = version

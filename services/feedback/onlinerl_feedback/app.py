@@ -145,10 +145,13 @@ def parse_data_envelope(body: bytes) -> Envelope:
         raise Reject(422, exc.reason, exc.message, param=exc.param) from None
 
 
-def envelope_audit_entry(env: Envelope, tenant: str, reason: str) -> bytes:
-    """The audit record of an envelope that is never trained (no code, unknown schema): what it was, and why."""
+def envelope_audit_entry(env: Envelope, tenant: str, reason: str, sender: str = "", screen: bool = True) -> bytes:
+    """The audit record of an envelope that is never trained (no code, unknown schema): what it was, and why.
+    ``sender``: the key's user hash (`onlinerl forget`); ``screen``: a completion holding a credential is not kept."""
     completion = env.data.get("completion")
     prompt = env.data.get("prompt")
+    if screen and isinstance(completion, str) and scan_fields([("completion", completion[:AUDIT_TEXT_LIMIT])]):
+        completion = ""
     return AuditEntry(
         event_id=env.completion_id or env.name[:64],
         tenant=tenant,
@@ -158,6 +161,7 @@ def envelope_audit_entry(env: Envelope, tenant: str, reason: str) -> bytes:
         completion=completion[:AUDIT_TEXT_LIMIT] if isinstance(completion, str) else "",
         prompt_digest=prompt_digest(prompt) if isinstance(prompt, str) else "",
         received_at=time.time(),
+        user_hash=sender,
     ).to_json()
 
 
@@ -310,7 +314,9 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             )
         assert deps is not None
         try:
-            audit_id = await deps.store.audit(envelope_audit_entry(env, tenant, kind.value))
+            sender = rater_of(headers.get(b"authorization"), "user") or ""
+            screening = cfg.privacy.secret_screening != "off"
+            audit_id = await deps.store.audit(envelope_audit_entry(env, tenant, kind.value, sender, screening))
         except (RedisUnavailable, RedisError, OSError) as exc:
             raise redis_down(exc, tenant) from None
         metrics.events.labels(REJECTED, tenant).inc()

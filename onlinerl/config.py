@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 
 from onlinerl import ports
 from onlinerl.keys import tenant_problem
+from onlinerl.pod_template import PodTemplateFragment, pod_template_field
 
 ENV_PREFIX = "ONLINERL__"
 CONFIG_ENV = "ONLINERL_CONFIG"
@@ -103,7 +104,17 @@ class RedisConfig(_Section):
         "operator creates `<job>-redis-users` with generated ones.",
     )
     storage_size: str = Field("8Gi", description="k8s: volume of the in-cluster Redis (used when no URL is given).")
+    storage_class: str = Field(
+        "",
+        max_length=253,
+        description="k8s: StorageClass of the in-cluster Redis's volume (empty: the cluster's default class). Its "
+        "own, not storage.storageClass: Redis fsyncs every write, a shared-file class suits checkpoints, not this.",
+    )
+    access_mode: Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"] = Field(
+        "ReadWriteOnce", description="k8s: access mode of the in-cluster Redis's volume (one pod writes it)."
+    )
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    pod_template: PodTemplateFragment = pod_template_field()
 
 
 class AuthConfig(_Section):
@@ -186,6 +197,7 @@ class ServingConfig(_Section):
     vllm_args: list[str] = Field(default_factory=list)
     gpus: int = Field(0, ge=0, le=64, description="k8s: GPUs per serving replica (0 = vLLM on CPU).")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    pod_template: PodTemplateFragment = pod_template_field()
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> ServingConfig:
@@ -342,6 +354,7 @@ class FeedbackConfig(_Section):
         "shared key, or a client that uploads for a whole team); the event still counts against the rating key.",
     )
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    pod_template: PodTemplateFragment = pod_template_field()
 
 
 class StalenessConfig(_Section):
@@ -522,6 +535,7 @@ class TrainerConfig(_Section):
         description="k8s, nodes > 1: `job` (Indexed Job + headless Service), `jobset` (jobset.x-k8s.io/v1alpha2), "
         "or `auto` (JobSet when the cluster serves it).",
     )
+    pod_template: PodTemplateFragment = pod_template_field()
 
 
 class StorageConfig(_Section):
@@ -700,6 +714,7 @@ class RolloutConfig(_Section):
     )
     guardrails: GuardrailConfig = Field(default_factory=GuardrailConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    pod_template: PodTemplateFragment = pod_template_field()
 
     @property
     def controlled(self) -> bool:
@@ -791,12 +806,22 @@ class ScalingConfig(_Section):
 class IngressConfig(_Section):
     enabled: bool = False
     host: str = ""
-    tls_secret: str = ""
+    tls_secret: str = Field("", description="k8s: Secret with the TLS certificate for `host` (needs `host`).")
     class_name: str = ""
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="k8s: annotations of the Ingress (cert-manager's cluster-issuer, nginx's proxy-buffering: off "
+        "for streamed completions, ...).",
+    )
 
 
 class MonitoringConfig(_Section):
     service_monitor: Literal["on", "off", "auto"] = "auto"
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="k8s: extra labels of the ServiceMonitor and PodMonitor, for the Prometheus that selects them "
+        "(kube-prometheus-stack: release: <its release name>).",
+    )
 
 
 class RetentionConfig(_Section):
@@ -867,6 +892,7 @@ class OnlineRLConfig(_Section):
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
+    pod_template: PodTemplateFragment = pod_template_field()
 
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
 

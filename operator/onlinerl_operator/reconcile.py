@@ -30,15 +30,23 @@ from redis.exceptions import RedisError
 from onlinerl_operator import constants as c
 from onlinerl_operator.kube import Kube, KubeError
 from onlinerl_operator.observe import manual_rollback, read_view, redis_url, write_policy_field
+from onlinerl_operator.plan import (
+    GATED_KINDS,
+    MONITOR_KINDS,
+    OPTIONAL_APIS,
+    TRAINER_KINDS,
+    applied_children,
+    plan_problems,
+    pod_template_problems,
+)
 from onlinerl_operator.redis_auth import ensure_redis_secret
-from onlinerl_operator.render import RenderContext, endpoints, render_all
-from onlinerl_operator.render_scaling import CUSTOM_METRICS_API, KEDA_API, scaling_problems, stale_scaling
+from onlinerl_operator.render import RenderContext, endpoints
+from onlinerl_operator.render_scaling import stale_scaling
 from onlinerl_operator.render_trainer import (
     JOBSET_API,
     REPLICATED_JOB,
     rendezvous_service,
     rendezvous_service_name,
-    trainer_problems,
     trainer_workload,
     world_size,
 )
@@ -56,7 +64,6 @@ from onlinerl_operator.status import (
 )
 
 log = logging.getLogger("onlinerl.operator")
-MONITOR_KINDS = ("ServiceMonitor", "PodMonitor")
 # Children removed on deletion (owner references make the garbage collector do it too), found by label.
 CHILD_KINDS = (
     "Ingress",
@@ -72,11 +79,6 @@ CHILD_KINDS = (
     "PersistentVolumeClaim",
     *MONITOR_KINDS,
 )
-# API group/versions some children depend on, looked up in discovery on every pass (render_scaling, render_trainer).
-OPTIONAL_APIS = (KEDA_API, JOBSET_API, CUSTOM_METRICS_API)
-TRAINER_KINDS = ("Job", "JobSet")
-# Kinds applied only where their API is served.
-GATED_KINDS = {"ScaledObject": KEDA_API, "JobSet": JOBSET_API}
 # What "the data plane cannot be reached" looks like: anything else is a bug and must surface as one.
 DATA_PLANE_ERRORS = (RedisError, OSError, LookupError)
 
@@ -427,14 +429,9 @@ class Reconciler:
         redis_problem = await ensure_redis_secret(self.kube, ctx)  # the users' Secret, before the pods reading it
         if redis_problem:
             p.obs.problems.append(redis_problem)
-        for manifest in render_all(ctx):
-            kind = manifest["kind"]
-            if kind in TRAINER_KINDS or (kind in MONITOR_KINDS and not ctx.monitoring_api):
-                continue
-            if kind in GATED_KINDS and GATED_KINDS[kind] not in ctx.apis:
-                continue  # reported by scaling_problems
+        for manifest in applied_children(ctx):  # not the trainer (the next step), only kinds this cluster serves
             verb = await self.kube.apply(manifest)
-            log.debug("%s %s/%s", verb, kind, manifest["metadata"]["name"])
+            log.debug("%s %s/%s", verb, manifest["kind"], manifest["metadata"]["name"])
         # Children an earlier spec wanted and this one does not (only ones we own: never a user's claim).
         stale: list[tuple[str, str]] = []
         if not ctx.monitors_enabled and ctx.monitoring_api:
@@ -461,12 +458,13 @@ class Reconciler:
             ]
         for kind, child in stale:
             await self.delete_owned(kind, ctx.namespace, child, ctx.uid)
-        p.obs.problems += scaling_problems(ctx) + trainer_problems(ctx)
-        if ctx.cfg.monitoring.service_monitor == "on" and not ctx.monitoring_api:
-            p.obs.problems.append(
-                "monitoring.serviceMonitor=on but monitoring.coreos.com/v1 is not served "
-                "(install the Prometheus operator or use auto)"
-            )
+        p.obs.problems += plan_problems(ctx)
+        conflicts = pod_template_problems(ctx)
+        if conflicts:
+            message = "podTemplate asks to change what the operator owns (its value is kept): " + "; ".join(conflicts)
+            p.obs.problems.append(message)
+            p.obs.problem_reason = p.obs.problem_reason or Reason.POD_TEMPLATE_CONFLICT
+            await self.report_problem(ctx, p.obs.generation, Reason.POD_TEMPLATE_CONFLICT, message)
 
     async def reconcile_trainer(self, p: Pass) -> None:
         p.book = await sync_trainer(self.kube, p.ctx, p.book, p.now)
@@ -564,31 +562,26 @@ class Reconciler:
         Named after the decision's stream id, not kopf's generated names: an operator restart that reports the same
         decision again gets 409 instead of a duplicate Event."""
         for entry_id, d in decisions:
-            warning = d.decision in ("rollback", "gate_fail")
-            when = iso_from_epoch(d.at)
-            event = {
-                "apiVersion": "v1",
-                "kind": "Event",
-                "metadata": {"name": f"{ctx.name}.rollout.{entry_id.replace('-', '.')}", "namespace": ctx.namespace},
-                "involvedObject": {
-                    "apiVersion": c.API_VERSION,
-                    "kind": c.KIND,
-                    "name": ctx.name,
-                    "namespace": ctx.namespace,
-                    "uid": ctx.uid,
-                },
-                "reason": "Rollout" + "".join(p.capitalize() for p in d.decision.split("_")),
-                "message": f"v{d.version} (stable v{d.stable}) by {d.actor}: {d.reason}"[:1024],
-                "type": "Warning" if warning else "Normal",
-                "source": {"component": c.MANAGER},
-                "firstTimestamp": when,
-                "lastTimestamp": when,
-                "count": 1,
-            }
+            event = job_event(
+                ctx,
+                f"{ctx.name}.rollout.{entry_id.replace('-', '.')}",
+                "Rollout" + "".join(p.capitalize() for p in d.decision.split("_")),
+                f"v{d.version} (stable v{d.stable}) by {d.actor}: {d.reason}",
+                warning=d.decision in ("rollback", "gate_fail"),
+                when=iso_from_epoch(d.at),
+            )
             try:
                 await self.kube.create(event)
             except KubeError as exc:
                 log.warning("%s/%s: could not post the rollout event: %s", ctx.namespace, ctx.name, exc)
+
+    async def report_problem(self, ctx: RenderContext, generation: int | None, reason: Reason, message: str) -> None:
+        """One Warning Event per spec generation and reason (named after both: a later pass gets 409, no duplicate)."""
+        name = f"{ctx.name}.{reason.value.lower()}.{generation or 0}"
+        try:
+            await self.kube.create(job_event(ctx, name, reason.value, message, warning=True, when=now_iso()))
+        except KubeError as exc:
+            log.warning("%s/%s: could not post the %s event: %s", ctx.namespace, ctx.name, reason.value, exc)
 
     async def delete_owned(self, kind: str, ns: str, name: str, owner_uid: str) -> bool:
         """Delete ``kind/name`` only if its owner reference points at ``owner_uid``."""
@@ -610,6 +603,29 @@ class Reconciler:
                 if _owned_by(obj, uid) and await self.kube.delete(kind, ns, child, propagation="Foreground"):
                     deleted.append(f"{kind}/{child}")
         return deleted
+
+
+def job_event(ctx: RenderContext, name: str, reason: str, message: str, warning: bool, when: str) -> dict[str, Any]:
+    """A core/v1 Event on the OnlineRLJob, named by the caller (a stable name makes a repeat a 409, not a copy)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": name, "namespace": ctx.namespace},
+        "involvedObject": {
+            "apiVersion": c.API_VERSION,
+            "kind": c.KIND,
+            "name": ctx.name,
+            "namespace": ctx.namespace,
+            "uid": ctx.uid,
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": c.MANAGER},
+        "firstTimestamp": when,
+        "lastTimestamp": when,
+        "count": 1,
+    }
 
 
 def carried_figures(old: dict[str, Any]) -> dict[str, Any]:

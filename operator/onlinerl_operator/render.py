@@ -30,6 +30,7 @@ from onlinerl.fim import get_template
 from onlinerl.model import SMOLLM2_GGUF_SHA256
 from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, CPU_IN_PROCESS_EXECUTOR_ARGS, CPU_IN_PROCESS_EXECUTOR_ENV
 from onlinerl_operator import constants as c
+from onlinerl_operator.render_pod_template import component_fragment, customise
 
 Manifest = dict[str, Any]
 REDIS_PASSWORD_ENV = "ONLINERL_REDIS_PASSWORD"
@@ -39,6 +40,7 @@ REDIS_PROBE_USER = Component.OPERATOR  # the redis pod's probes authenticate as 
 REDIS_ACL_ANNOTATION = "onlinerl.dev/redis-acl-rules"  # digest of template and script: a new contract restarts Redis
 # Pods allowed to reach a job's Redis: its own components (the operator too, see redis_network_policy).
 REDIS_CLIENTS = ("serving", "feedback", "trainer", "rollout")
+COMPONENT_SECTIONS = ("serving", "feedback", "trainer", "redis", "rollout")  # each has a podTemplate
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,19 @@ def _hash_without_runtime_fields(ctx: RenderContext) -> str:
     data["trainer"] = {**data["trainer"], "suspend": False}
     data["rollout"] = {**data["rollout"], "pinnedVersion": None, "paused": False, "rollbackTo": None}
     data.pop("scaling", None)  # autoscalers, budgets, spread: Kubernetes objects only, no component reads them
+    # Pod templates, monitor labels, ingress annotations, Redis's volume: Kubernetes objects only as well (a changed
+    # pod template rolls its own pods; a Redis toleration must not restart the trainer).
+    data.pop("podTemplate", None)
+    for section in COMPONENT_SECTIONS:
+        data[section].pop("podTemplate", None)
+    data["monitoring"].pop("labels", None)
+    data["ingress"].pop("annotations", None)
+    for key in ("storageClass", "accessMode"):
+        data["redis"].pop(key, None)
+    return _digest(data)
+
+
+def _digest(data: Any) -> str:
     return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -661,8 +676,11 @@ def trainer_job(ctx: RenderContext) -> Manifest:
 
 
 def trainer_hash(ctx: RenderContext) -> str:
-    """What forces a new trainer Job (its pod template is immutable): any config change but suspend/pin."""
-    return _hash_without_runtime_fields(ctx)
+    """What forces a new trainer Job (its pod template is immutable): any config change but suspend/pin, and the
+    trainer's pod-template fragment (the job-wide one merged with spec.trainer.podTemplate)."""
+    fragment = component_fragment(ctx.cfg, "trainer")
+    base = _hash_without_runtime_fields(ctx)
+    return _digest({"config": base, "podTemplate": fragment}) if any(fragment.values()) else base
 
 
 def trainer_service(ctx: RenderContext) -> Manifest:
@@ -712,12 +730,17 @@ def ingress(ctx: RenderContext) -> Manifest | None:
         spec["ingressClassName"] = ing.class_name
     if ing.tls_secret:
         spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret}]
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "Ingress",
-        "metadata": metadata(ctx, ctx.name, "ingress"),
-        "spec": spec,
-    }
+    meta = metadata(ctx, ctx.name, "ingress")
+    if ing.annotations:
+        meta["annotations"] = dict(ing.annotations)
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": spec}
+
+
+def monitor_metadata(ctx: RenderContext, name: str) -> dict[str, Any]:
+    """A monitor's metadata with ``monitoring.labels`` (what the Prometheus selects them by); ours win on a clash."""
+    meta = metadata(ctx, name, "monitoring")
+    meta["labels"] = {**ctx.cfg.monitoring.labels, **meta["labels"]}
+    return meta
 
 
 def service_monitor(ctx: RenderContext) -> Manifest:
@@ -725,7 +748,7 @@ def service_monitor(ctx: RenderContext) -> Manifest:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": metadata(ctx, ctx.name, "monitoring"),
+        "metadata": monitor_metadata(ctx, ctx.name),
         "spec": {
             "selector": {"matchLabels": {c.LABEL_JOB: ctx.name, "onlinerl.dev/metrics": "true"}},
             # Series carry the job label, so alerts and dashboards can tell two jobs in one namespace apart.
@@ -744,7 +767,7 @@ def pod_monitor(ctx: RenderContext) -> Manifest:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": metadata(ctx, ctx.child("reloader"), "monitoring"),
+        "metadata": monitor_metadata(ctx, ctx.child("reloader")),
         "spec": {
             "selector": {"matchLabels": selector(ctx, "serving")},
             "podTargetLabels": [c.LABEL_JOB],
@@ -817,10 +840,13 @@ def redis_statefulset(ctx: RenderContext) -> Manifest:
     }
     claim: dict[str, Any] = {
         "metadata": {"name": "data", "labels": labels(ctx, "redis")},
-        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": cfg.redis.storage_size}}},
+        "spec": {
+            "accessModes": [cfg.redis.access_mode],
+            "resources": {"requests": {"storage": cfg.redis.storage_size}},
+        },
     }
-    if cfg.storage.storage_class:
-        claim["spec"]["storageClassName"] = cfg.storage.storage_class
+    if cfg.redis.storage_class:  # its own class: empty leaves the cluster's default (never the checkpoints' class)
+        claim["spec"]["storageClassName"] = cfg.redis.storage_class
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -938,22 +964,23 @@ def render_all(ctx: RenderContext) -> list[Manifest]:
     from onlinerl_operator import render_scaling as scaling  # they build on this module's helpers
     from onlinerl_operator import render_trainer as trainer
 
+    pods = workloads(ctx)[0]
     out: list[Manifest | None] = [config_map(ctx), checkpoint_pvc(ctx)]
     if ctx.in_cluster_redis:
-        out += [redis_acl_config(ctx), redis_service(ctx), redis_statefulset(ctx)]
+        out += [redis_acl_config(ctx), redis_service(ctx), pods["redis"]]
     policies = [
         trainer.shape_trainer_policy(ctx, p) if p["metadata"]["name"] == ctx.child("trainer") else p
         for p in network_policies(ctx)
     ]
     out += [
-        scaling.shape_deployment(ctx, "serving", serving_deployment(ctx)),
+        pods["serving"],
         serving_service(ctx),
-        scaling.shape_deployment(ctx, "feedback", feedback_deployment(ctx)),
+        pods["feedback"],
         feedback_service(ctx),
         trainer.metrics_service(ctx),
         trainer.rendezvous_service(ctx),
-        trainer.trainer_workload(ctx),
-        rollout_deployment(ctx),
+        pods["trainer"],
+        pods["rollout"],
         rollout_service(ctx),
         ingress(ctx),
         *policies,
@@ -962,6 +989,35 @@ def render_all(ctx: RenderContext) -> list[Manifest]:
     if ctx.monitors_enabled:
         out += [service_monitor(ctx), pod_monitor(ctx)]
     return [m for m in out if m is not None]
+
+
+def workloads(ctx: RenderContext) -> tuple[dict[str, Manifest | None], list[str]]:
+    """Each component's workload (None where the spec wants none) with its pod-template fragment merged in, and the
+    fragments' conflicts with what the operator owns (render_pod_template)."""
+    from onlinerl_operator import render_scaling as scaling
+    from onlinerl_operator import render_trainer as trainer
+
+    raw: dict[str, Manifest | None] = {
+        "redis": redis_statefulset(ctx) if ctx.in_cluster_redis else None,
+        "serving": scaling.shape_deployment(ctx, "serving", serving_deployment(ctx)),
+        "feedback": scaling.shape_deployment(ctx, "feedback", feedback_deployment(ctx)),
+        "trainer": trainer.operator_trainer_workload(ctx),
+        "rollout": rollout_deployment(ctx),
+    }
+    out: dict[str, Manifest | None] = {}
+    conflicts: list[str] = []
+    for component, manifest in raw.items():
+        if manifest is None:
+            out[component] = None
+            continue
+        out[component], found = customise(ctx.cfg, component, manifest)
+        conflicts += found
+    return out, conflicts
+
+
+def pod_template_problems(ctx: RenderContext) -> list[str]:
+    """Fragments that ask to change what the operator owns (it keeps its value): one line each."""
+    return workloads(ctx)[1]
 
 
 API_KEY_PLACEHOLDER = "<your-api-key>"  # status never holds a key: the user puts one of spec.auth's keys there

@@ -20,6 +20,7 @@ from typing import Any
 
 from onlinerl_operator import constants as c
 from onlinerl_operator.render import Manifest, RenderContext, metadata, selector, service, trainer_hash, trainer_job
+from onlinerl_operator.render_pod_template import customise
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -163,11 +164,16 @@ def jobset(ctx: RenderContext) -> Manifest:
     }
 
 
-def trainer_workload(ctx: RenderContext) -> Manifest:
-    """What runs the trainer: the single-pod Job, the Indexed Job or the JobSet."""
+def operator_trainer_workload(ctx: RenderContext) -> Manifest:
+    """What runs the trainer, as the operator renders it: the single-pod Job, the Indexed Job or the JobSet."""
     if not multi_node(ctx):
         return trainer_job(ctx)
     return jobset(ctx) if uses_jobset(ctx) else indexed_job(ctx)
+
+
+def trainer_workload(ctx: RenderContext) -> Manifest:
+    """What runs the trainer, as applied: with the trainer's pod-template fragment merged in."""
+    return customise(ctx.cfg, "trainer", operator_trainer_workload(ctx))[0]
 
 
 def rendezvous_service(ctx: RenderContext) -> Manifest | None:

@@ -44,6 +44,8 @@ class Reason(StrEnum):
     API_INVALID = "ApiInvalid"  # 400/422: the rendered object is refused; retried on a spec change, or slowly
     API_CONFLICT = "ApiConflict"  # 409: someone else changed it; retried at once
     API_UNAVAILABLE = "ApiUnavailable"  # 429/5xx and anything else: retried with a delay
+    # A pod-template fragment asks to change a field the operator owns (Degraded; the operator's value is kept).
+    POD_TEMPLATE_CONFLICT = "PodTemplateConflict"
 
 
 class _Status(BaseModel):
@@ -143,6 +145,7 @@ class Observation:
     last_decision_kind: str = ""
     problems: list[str] = field(default_factory=list)  # degraded but running: Redis down, monitoring API missing
     failure_reason: Reason | None = None  # the reconcile step the API refused, if any (typed: see Reason)
+    problem_reason: Reason | None = None  # a typed reason for the problems (else Problems), e.g. PodTemplateConflict
     failure_message: str = ""
 
 
@@ -230,7 +233,7 @@ def derive_conditions(obs: Observation) -> list[dict[str, str]]:
         _cond(
             "Degraded",
             bool(degraded_msgs),
-            obs.failure_reason or (Reason.PROBLEMS if degraded_msgs else Reason.HEALTHY),
+            obs.failure_reason or (obs.problem_reason or Reason.PROBLEMS if degraded_msgs else Reason.HEALTHY),
             "; ".join(degraded_msgs) or "no problems seen",
         ),
     ]

@@ -103,12 +103,29 @@ def test_committed_json_is_the_generator_output() -> None:
         )
 
 
-def test_every_query_filters_by_namespace_and_parses() -> None:
+def test_every_query_filters_by_namespace_and_job_and_parses() -> None:
+    """Two OnlineRLJobs in one namespace must not merge: every selector also filters by the job variable (the series'
+    onlinerl_dev_job label, the operator monitors' target label)."""
     for name, title, expr in dashboard_exprs():
         parse_promql(expr)  # raises on a syntax error
         if not title.startswith("variable"):
             for selector in re.findall(r"[a-z_:]+\{[^}]*\}", expr):
                 assert 'namespace=~"$namespace"' in selector, (name, title, selector)
+                assert 'onlinerl_dev_job=~"$job"' in selector, (name, title, selector)
+
+
+def test_job_variable_lists_the_jobs_of_the_chosen_namespaces() -> None:
+    from onlinerl_operator import constants as c
+    from onlinerl_operator.render_scaling import JOB_LABEL
+
+    assert JOB_LABEL == "onlinerl_dev_job" and c.LABEL_JOB == "onlinerl.dev/job"  # Prometheus's spelling of it
+    for name, board in dashboards().items():
+        variables = {v["name"]: v for v in board["templating"]["list"]}
+        job = variables["job"]
+        assert job["includeAll"] and job["multi"] and job["allValue"] == ".*", name
+        assert job["definition"].endswith(f'{{namespace=~"$namespace"}}, {JOB_LABEL})'), name
+        order = [v["name"] for v in board["templating"]["list"]]
+        assert order.index("namespace") < order.index("job"), name  # Grafana resolves variables in order
 
 
 def test_every_dashboard_metric_is_in_the_contract() -> None:

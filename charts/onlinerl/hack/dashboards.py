@@ -20,12 +20,16 @@ from onlinerl.arms import CANDIDATE, STABLE  # the one definition of arm names (
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "dashboards"
 GRID_WIDTH = 24
-NS = 'namespace=~"$namespace"'
+# Series carry the job's name as `onlinerl_dev_job` (the operator's monitors: targetLabels onlinerl.dev/job), so two
+# OnlineRLJobs in one namespace stay apart: every query filters by the namespace and the `job` variable.
+JOB_LABEL = "onlinerl_dev_job"
+NS = f'namespace=~"$namespace", {JOB_LABEL}=~"$job"'
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
 def sel(metric: str, **labels: str) -> str:
-    """``metric{namespace=~"$namespace", k="v"}``; a value starting with ``~`` becomes a regex match."""
+    """``metric{namespace=~"$namespace", onlinerl_dev_job=~"$job", k="v"}``; a value starting with ``~`` becomes a
+    regex match."""
     parts = [NS]
     for key, value in labels.items():
         parts.append(f'{key}=~"{value[1:]}"' if value.startswith("~") else f'{key}="{value}"')
@@ -177,6 +181,27 @@ def layout(items: list[Panel | Row]) -> list[dict[str, Any]]:
     return panels
 
 
+def _label_variable(name: str, label: str, query: str) -> dict[str, Any]:
+    """A multi-value query variable over one label's values, "All" (any value) by default."""
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "refresh": 2,
+        "sort": 1,
+        "hide": 0,
+        "regex": "",
+        "options": [],
+    }
+
+
 def _variables(namespace_metric: str, window: bool) -> list[dict[str, Any]]:
     variables: list[dict[str, Any]] = [
         {
@@ -190,23 +215,11 @@ def _variables(namespace_metric: str, window: bool) -> list[dict[str, Any]]:
             "regex": "",
             "options": [],
         },
-        {
-            "name": "namespace",
-            "label": "Namespace",
-            "type": "query",
-            "datasource": DATASOURCE,
-            "query": {"query": f"label_values({namespace_metric}, namespace)", "refId": "namespace"},
-            "definition": f"label_values({namespace_metric}, namespace)",
-            "includeAll": True,
-            "multi": True,
-            "allValue": ".*",
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-            "refresh": 2,
-            "sort": 1,
-            "hide": 0,
-            "regex": "",
-            "options": [],
-        },
+        _label_variable("namespace", "Namespace", f"label_values({namespace_metric}, namespace)"),
+        # The jobs of the chosen namespaces (Grafana resolves variables in order: namespace first).
+        _label_variable(
+            "job", "OnlineRLJob", f'label_values({namespace_metric}{{namespace=~"$namespace"}}, {JOB_LABEL})'
+        ),
     ]
     if window:
         options = ["5m", "15m", "1h", "6h"]

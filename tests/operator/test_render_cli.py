@@ -326,3 +326,16 @@ def test_missing_file_and_the_real_command_line(tmp_path: Path) -> None:
     assert proc.stdout.startswith(f"# {c.KIND} default/demo:")
     kinds = [d["kind"] for d in yaml.safe_load_all(proc.stdout) if d]
     assert kinds[0] == "ConfigMap" and kinds[-1] == "Job" and "ServiceMonitor" not in kinds
+
+
+def test_monitoring_labels_cannot_take_the_operators_labels(tmp_path: Path) -> None:
+    job = templated_job()
+    job["spec"]["monitoring"]["labels"] = {c.LABEL_JOB: "someone-else", "release": "prom"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    rc, docs, err = run_render("-f", str(path), "--monitoring")
+    assert rc == 0, err
+    for monitor in [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]:
+        assert (
+            monitor["metadata"]["labels"][c.LABEL_JOB] == "tpl" and monitor["metadata"]["labels"]["release"] == "prom"
+        )

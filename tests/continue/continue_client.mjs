@@ -8,13 +8,32 @@
 //     Authorization: Bearer <apiKey> and requestOptions.headers; only response.ok is checked.
 // The schemas and the parser are Continue's code; only those few lines of log.ts are restated here.
 //
+//
+// Completions, for the config's autocomplete model, through Continue's published request code (`completions`):
+//   - "continue": what stock Continue's autocomplete sends for a `provider: openai` model. CompletionProvider sets
+//     useLegacyCompletionsEndpoint and temperature 0.01 (unless set); templating adds getStopTokens' common stops to
+//     the model's; BaseLLM.streamComplete(prompt, {raw: true}) -> OpenAI._streamComplete -> _streamChat ->
+//     _legacystreamComplete: POST new URL("completions", apiBase + "/") with _getHeaders() and toChatBody's fields
+//     plus the prompt, stream: true, sent by BaseLLM.fetch = fetchwithRequestOptions(url, init, requestOptions) and
+//     read with streamSse, both from the PUBLISHED @continuedev/fetch (the package core imports them from). Those
+//     core classes (core/llm/llms/OpenAI.ts, core/llm/index.ts, core/autocomplete/) are not published on npm, so
+//     their few lines that build the URL, headers and body are restated here; sending and parsing are the package's.
+//   - "adapter": the PUBLISHED @continuedev/openai-adapters OpenAIApi (constructLlmApi, provider openai), the path
+//     BaseLLM.streamComplete takes for providers whose adapter serves "streamComplete": completionStream with
+//     toCompleteBody's fields and stream: true, or completionNonStream with stream: false (Continue's
+//     `stream: false` completion option). It sends through the openai SDK with fetchwithRequestOptions.
+//
 // Usage: node continue_client.mjs < request.json, where request is
 //   {"config": "<config.yaml text>", "destination": {...overrides of data[0]...}, "events": [{"name", "data"}],
-//    "configs": ["<more config.yaml texts to parse>"]}
+//    "configs": ["<more config.yaml texts to parse>"],
+//    "completions": [{"prompt": "...", "via": "continue" | "adapter", "stream": true | false}]}
 // Prints {"config": <parsed> | null, "error": "<parser message>" | null, "posts": [{"status", "body", "sent"} | null],
-//         "many": [{"config", "error"} for each of configs]}.
+//         "many": [{"config", "error"} for each of configs],
+//         "completions": [{"text", "chunks", "status", "headers", "sent": {"url", "headers", "body"}, "error"}]}.
 import { readFileSync } from "node:fs";
 import { devDataVersionedSchemas, parseConfigYaml } from "@continuedev/config-yaml";
+import { fetchwithRequestOptions, streamSse } from "@continuedev/fetch";
+import { constructLlmApi } from "@continuedev/openai-adapters";
 
 function parse(text) {
   try {
@@ -63,6 +82,102 @@ if (out.config && request.events) {
     const response = await fetch(dest.destination, { method: "POST", headers, body: JSON.stringify(body) });
     const text = await response.text();
     out.posts.push({ status: response.status, ok: response.ok, sent: body, body: JSON.parse(text) });
+  }
+}
+// --- completions -------------------------------------------------------------------------------------------------
+const COMMON_STOPS = ["/src/", "#- coding: utf-8", "```"]; // core/autocomplete/templating/getStopTokens.ts
+
+function autocompleteModel(config) {
+  const model = (config.models ?? []).find((m) => (m.roles ?? []).includes("autocomplete"));
+  if (!model) throw new Error("the config has no model with role autocomplete");
+  const apiBase = model.apiBase.endsWith("/") ? model.apiBase : `${model.apiBase}/`; // BaseLLM's constructor
+  const options = { ...(model.defaultCompletionOptions ?? {}) };
+  if (options.temperature === undefined) options.temperature = 0.01; // CompletionProvider
+  return { model, apiBase, options };
+}
+
+function completionBody(model, options, prompt, stream) {
+  // The completion fields of core/llm/openaiTypeConverters.ts (toChatBody and toCompleteBody send the same ones for a
+  // prompt); the stops are the model's plus getStopTokens' common ones. JSON.stringify drops the undefined fields.
+  const body = {
+    model: model.model,
+    max_tokens: options.maxTokens,
+    temperature: options.temperature,
+    top_p: options.topP,
+    frequency_penalty: options.frequencyPenalty,
+    presence_penalty: options.presencePenalty,
+    stop: [...(options.stop ?? []), ...COMMON_STOPS],
+    prompt,
+    stream,
+  };
+  return JSON.parse(JSON.stringify(body));
+}
+
+async function continueAutocomplete(config, prompt) {
+  const { model, apiBase, options } = autocompleteModel(config);
+  const url = new URL("completions", apiBase); // OpenAI._getEndpoint("completions")
+  const headers = {
+    "Content-Type": "application/json",
+    ...(model.apiKey && { Authorization: `Bearer ${model.apiKey}` }),
+    "api-key": model.apiKey ?? "",
+  }; // OpenAI._getHeaders
+  // toChatBody([], options) with messages dropped, then the prompt and stream: true (OpenAI._legacystreamComplete)
+  const body = completionBody(model, options, prompt, true);
+  const init = { method: "POST", headers, body: JSON.stringify(body) };
+  const response = await fetchwithRequestOptions(url, init, model.requestOptions);
+  const out = { sent: { url: url.href, headers, body }, status: response.status, headers: {}, chunks: [], text: "" };
+  response.headers.forEach((value, key) => (out.headers[key] = value));
+  if (!response.ok) {
+    out.error = await response.text(); // BaseLLM.fetch raises this as the error the editor logs
+    return out;
+  }
+  for await (const value of streamSse(response)) {
+    if (value.choices?.[0]?.text && value.finish_reason !== "eos") {
+      out.chunks.push(value.choices[0].text);
+    }
+  }
+  out.text = out.chunks.join("");
+  return out;
+}
+
+async function adapterCompletion(config, prompt, stream) {
+  const { model, apiBase, options } = autocompleteModel(config);
+  const api = constructLlmApi({
+    provider: "openai",
+    apiBase,
+    apiKey: model.apiKey,
+    requestOptions: model.requestOptions,
+  });
+  // core/llm/openaiTypeConverters.ts toCompleteBody(prompt, options), then stream as BaseLLM.streamComplete sets it
+  const body = completionBody(model, options, prompt, stream);
+  const out = { sent: { url: new URL("completions", apiBase).href, body }, chunks: [], text: "", status: 200 };
+  const signal = new AbortController().signal;
+  try {
+    if (stream) {
+      for await (const chunk of api.completionStream(body, signal)) {
+        out.chunks.push(chunk.choices[0]?.text ?? "");
+      }
+      out.text = out.chunks.join("");
+    } else {
+      const response = await api.completionNonStream(body, signal);
+      out.text = response.choices[0]?.text ?? "";
+      out.chunks = [out.text];
+    }
+  } catch (e) {
+    out.status = e.status ?? 0; // the openai SDK's APIError carries the HTTP status
+    out.error = e.message;
+  }
+  return out;
+}
+
+if (out.config && request.completions) {
+  out.completions = [];
+  for (const c of request.completions) {
+    out.completions.push(
+      c.via === "adapter"
+        ? await adapterCompletion(out.config, c.prompt, c.stream ?? true)
+        : await continueAutocomplete(out.config, c.prompt),
+    );
   }
 }
 process.stdout.write(JSON.stringify(out));

@@ -49,8 +49,12 @@ AUTOCOMPLETE_OPTIONS = {
 
 def continue_client(request: dict[str, Any]) -> dict[str, Any]:
     """Run tests/continue/continue_client.mjs (Continue's parser and schemas) on ``request``; its JSON answer."""
-    if not (CLIENT_DIR / "node_modules" / "@continuedev" / "config-yaml").is_dir():
-        pytest.fail("Continue's npm packages are not installed: run `make setup` (npm ci in tests/continue)")
+    for package in ("config-yaml", "fetch", "openai-adapters"):  # tests/continue/package.json
+        if not (CLIENT_DIR / "node_modules" / "@continuedev" / package).is_dir():
+            pytest.fail(
+                f"Continue's npm package @continuedev/{package} is not installed: run `make setup` (npm ci in "
+                "tests/continue)"
+            )
     node = shutil.which("node")
     assert node, "node is not on PATH"
     done = subprocess.run(

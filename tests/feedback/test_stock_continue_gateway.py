@@ -1,16 +1,17 @@
-"""Stock Continue against the real gateway (the session's shared vLLM engine on CPU) and the real feedback service:
-completions are requested at the printed config's apiBase as Continue requests them (onlinerl.loop.continue_client),
-and the outcomes are built with Continue's published dev-data schemas and POSTed, as its DataLogger posts them, to the
-printed data: destination (tests/continue/). What the gateway served trains once: the accept and the reject are
-samples joined to the gateway's own rollouts, the repeated accept is a duplicate.
+"""Stock Continue against the real gateway (the session's shared vLLM engine on CPU) and the real feedback service,
+through Continue's own published code only (tests/continue/continue_client.mjs): completions for the printed config's
+autocomplete model are streamed with ``@continuedev/fetch`` (``fetchwithRequestOptions`` and ``streamSse``: what
+stock Continue's autocomplete sends for a ``provider: openai`` model, URL, headers and body included) and through
+``@continuedev/openai-adapters`` (streamed and not), and the outcomes are built with Continue's published dev-data
+schemas and POSTed, as its DataLogger posts them, to the printed data: destination. Each completion's text arrives and
+is the rollout the gateway recorded; what the gateway served trains once: the accept and the reject are samples joined
+to the gateway's own rollouts, the repeated accept is a duplicate.
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 import yaml
@@ -18,9 +19,10 @@ import yaml
 from onlinerl.config import OnlineRLConfig
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
-from onlinerl.loop.continue_client import CompletionResult, ContinueClient
 from onlinerl.loop.stack import continue_snippet
+from onlinerl.schemas import RolloutRecord
 from onlinerl.valkey import EmbeddedValkey
+from onlinerl_serving.routing import user_hash
 from tests.engines import SharedEngine
 from tests.feedback.conftest import JOB, stream_entries
 from tests.feedback.gateway_stack import gateway_and_feedback
@@ -28,21 +30,6 @@ from tests.feedback.test_stock_continue import continue_client, outcome
 
 QWEN = get_template("qwen")
 KEY = "key-acme-continue"
-
-
-async def two_served(client: ContinueClient) -> list[tuple[str, CompletionResult]]:
-    """Two completions that show something (the tiny random model may say only whitespace for some prompts)."""
-    out = []
-    async with httpx.AsyncClient(timeout=120) as http:
-        for i in range(30):
-            prompt = QWEN.render(f"stock_{i} = ", "\n")
-            res = await client.complete(http, prompt)
-            assert res.status == 200 and not res.error, res.error
-            if res.text.strip():
-                out.append((prompt, res))
-            if len(out) == 2:
-                return out
-    raise AssertionError("fewer than two non-empty completions")
 
 
 @pytest.mark.vllm
@@ -56,10 +43,44 @@ def test_stock_continue_through_the_gateway_trains_what_it_was_served(
         printed = continue_snippet(OnlineRLConfig.model_validate({"model": {"fimTemplate": "qwen"}, **ports}), KEY)
         model = yaml.safe_load(printed)["models"][0]
         assert model["apiBase"] == ep.api
-        client = ContinueClient(model["apiBase"], "", model["apiKey"], "", model["model"], QWEN, max_tokens=8)
-        (p1, r1), (p2, r2) = asyncio.run(two_served(client))
+        prompts = [QWEN.render(f"stock_{i} = ", "\n") for i in range(8)]
+        asked = [{"prompt": p, "via": "continue"} for p in prompts[:6]]
+        asked += [{"prompt": prompts[6], "via": "adapter", "stream": True}]
+        asked += [{"prompt": prompts[7], "via": "adapter", "stream": False}]
+        done = continue_client({"config": printed, "completions": asked})
+        assert done["error"] is None, done["error"]
+        got = done["completions"]
+        assert [(c["status"], c.get("error")) for c in got] == [(200, None)] * len(asked), got
+        sent = got[0]["sent"]
+        # what stock Continue's autocomplete sends for the printed model (provider openai, legacy completions)
+        assert sent["url"] == f"{ep.api}/completions"
+        assert sent["headers"] == {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {KEY}",
+            "api-key": KEY,
+        }
+        assert {k: sent["body"][k] for k in ("model", "max_tokens", "temperature", "stream")} == {
+            "model": model["model"],
+            "max_tokens": model["defaultCompletionOptions"]["maxTokens"],
+            "temperature": 0.01,
+            "stream": True,
+        }
+        assert sent["body"]["prompt"] == prompts[0] and "```" in sent["body"]["stop"]
+        assert [c["sent"]["body"]["stream"] for c in got[6:]] == [True, False]
+        admin = redis.Redis.from_url(empty_valkey.url)
+        try:
+            for prompt, c in zip(prompts, got, strict=True):  # each completion is the rollout the gateway recorded
+                [raw] = admin.hvals(keys.rollouts("acme", prompt))
+                rec = RolloutRecord.from_json(raw)
+                assert rec.completion == c["text"] and rec.user_hash == user_hash(KEY), (rec.completion, c["text"])
+            assert any(len(c["chunks"]) > 1 for c in got[:6]), "no completion came in more than one chunk"
+        finally:
+            admin.close()
+        shown = [(p, c) for p, c in zip(prompts, got, strict=True) if c["text"].strip()]
+        assert len(shown) >= 2, "fewer than two non-empty completions (the tiny random model said only whitespace)"
+        (p1, r1), (p2, r2) = shown[:2]
 
-        accept, reject = outcome(p1, r1.text, True), outcome(p2, r2.text, False)
+        accept, reject = outcome(p1, r1["text"], True), outcome(p2, r2["text"], False)
         events = [{"name": "autocomplete", "data": d} for d in (accept, reject, accept)]
         answer = continue_client({"config": printed, "events": events})
         assert answer["error"] is None, answer["error"]

@@ -494,7 +494,12 @@ class RolloutController:
         rec = DecisionRecord(decision="hold", version=cand, stable=stable, reason=f"canary restarted: {why}", at=now)
         new_state = RolloutState(version=cand, state="canary", started_at=now, stable_version=stable, reason=why)
         ok = self.store.apply(
-            rec, expect_stable=stable, expect_candidate=cand, states=[new_state], snapshot_stable=stable
+            rec,
+            expect_stable=stable,
+            expect_candidate=cand,
+            states=[new_state],
+            snapshot_stable=stable,
+            policy={"split": "key"},  # a restarted canary starts split by key, as every canary does (few_users.py)
         )
         if ok:
             self._emit(rec)

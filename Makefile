@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup run test test-fast bench lint chart clean
+.PHONY: setup run test test-fast bench lint chart images clean
 
 # Re-runs only when pyproject.toml changes: a second `make test` starts testing at once.
 $(STAMP): pyproject.toml
@@ -35,11 +35,16 @@ setup: $(STAMP) $(CONTINUE_NPM)
 run: setup
 	$(BIN)/onlinerl up
 
+# Tests run on TEST_WORKERS pytest-xdist workers: every vLLM test on the first (it boots the shared engines), the
+# CPU-light modules spread over all of them (tests/lanes.py). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 3
+PYTEST_LANES = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_LANES)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not slow"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not slow" $(PYTEST_LANES)
 
 bench: setup
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk) || echo "wrk unavailable: the feedback benchmark will fail"
@@ -53,6 +58,27 @@ chart: setup
 	$(BIN)/helm lint --strict charts/onlinerl
 	$(BIN)/helm template onlinerl charts/onlinerl > /dev/null
 	@echo "chart OK"
+
+# The container images the operator, the chart and the examples name by default (onlinerl/config.py ImagesConfig, the
+# chart's operator.image, the CRD defaults): one `-t` line each, so `make -n images` lists them
+# (tests/foundation/test_images.py checks each Dockerfile against the commands its pods run). Override the registry and
+# tag to push elsewhere, e.g. `make images IMAGE_REGISTRY=registry.example.com/onlinerl IMAGE_TAG=dev`, then set the
+# job's spec.images and the chart's operator.image to match. Builds with docker, else podman (CONTAINER_TOOL=...).
+IMAGE_REGISTRY ?= ghcr.io/onlinerl
+IMAGE_TAG ?= 0.1.0
+CONTAINER_TOOL ?= $(notdir $(firstword $(shell command -v docker podman 2>/dev/null)))
+BUILD_IMAGE = $(CONTAINER_TOOL) build --pull
+
+images:
+	@if [ -z "$(CONTAINER_TOOL)" ]; then echo "make images: neither docker nor podman is installed: install one (https://docs.docker.com/engine/install/ or https://podman.io/docs/installation), or set CONTAINER_TOOL" >&2; exit 1; fi
+	@$(CONTAINER_TOOL) info >/dev/null 2>&1 || { echo "make images: $(CONTAINER_TOOL) is installed but cannot reach its daemon or runtime ('$(CONTAINER_TOOL) info' fails): start it, or set CONTAINER_TOOL to another" >&2; exit 1; }
+	$(BUILD_IMAGE) -f operator/Dockerfile -t $(IMAGE_REGISTRY)/onlinerl-operator:$(IMAGE_TAG) .
+	$(BUILD_IMAGE) -f services/serving/Dockerfile -t $(IMAGE_REGISTRY)/onlinerl-serving:$(IMAGE_TAG) .
+	$(BUILD_IMAGE) -f services/serving/Dockerfile.engine-cpu -t $(IMAGE_REGISTRY)/onlinerl-engine-cpu:$(IMAGE_TAG) .
+	$(BUILD_IMAGE) -f services/feedback/Dockerfile -t $(IMAGE_REGISTRY)/onlinerl-feedback:$(IMAGE_TAG) .
+	$(BUILD_IMAGE) -f services/trainer/Dockerfile -t $(IMAGE_REGISTRY)/onlinerl-trainer:$(IMAGE_TAG) .
+	$(BUILD_IMAGE) -f services/rollout/Dockerfile -t $(IMAGE_REGISTRY)/onlinerl-rollout:$(IMAGE_TAG) .
+	@echo "built 6 images tagged $(IMAGE_REGISTRY)/onlinerl-*:$(IMAGE_TAG)"
 
 clean:
 	rm -rf $(VENV) .onlinerl

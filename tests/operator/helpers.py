@@ -13,6 +13,16 @@ CRD_FILE = ROOT / "crds" / "onlinerljob.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
+def example_jobs() -> dict[str, dict[str, Any]]:
+    """metadata.name -> spec of every OnlineRLJob in examples/."""
+    out = {}
+    for path in EXAMPLES:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] == "OnlineRLJob":
+                out[doc["metadata"]["name"]] = doc["spec"]
+    return out
+
+
 def committed_crd() -> dict[str, Any]:
     return yaml.safe_load(CRD_FILE.read_text())
 

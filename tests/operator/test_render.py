@@ -12,23 +12,14 @@ from onlinerl.config import from_mapping
 from onlinerl_operator import constants as c
 from onlinerl_operator.render import RenderContext, render_all
 from onlinerl_operator.spec import parse_spec
-from tests.operator.helpers import EXAMPLES
+from tests.operator.helpers import example_jobs
 
 UID = "0b5c1a7e-2f62-4a8e-9d1e-3f1f6f3c8a11"
 MONITOR_KINDS = {"ServiceMonitor", "PodMonitor"}  # Prometheus-operator CRDs: no built-in schema to validate against
 
 
-def _examples() -> dict[str, dict[str, Any]]:
-    out = {}
-    for path in EXAMPLES:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc["kind"] == "OnlineRLJob":
-                out[doc["metadata"]["name"]] = doc["spec"]
-    return out
-
-
 SPECS = {
-    **_examples(),
+    **example_jobs(),
     "anon-inline-redis": {
         "auth": {"allowAnonymous": True},
         "redis": {"url": "redis://r:6379/0"},

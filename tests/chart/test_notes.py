@@ -5,6 +5,7 @@ becomes a named template shown in a ConfigMap (same engine, same values, --is-up
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import yaml
 
 from onlinerl.continue_config import continue_config
 from onlinerl.fim import get_template
+from tests.chart import onboarding
 from tests.chart.helm import CHART, VALUES_DIR, helm
 
 
@@ -78,3 +80,34 @@ def test_upgrade_notes_and_shared_redis(notes_chart: Path) -> None:
     assert "the monitoring.coreos.com/v1 API is not served" in text
     for example in ("examples/cpu-demo.yaml", "examples/gpu-lora-qwen-1.5b.yaml", "examples/gpu-8x-full-zero3.yaml"):
         assert example in text
+
+
+# --- onboarding: one keys Secret, the port-forwards, the GPU counts ------------------------------------------------
+def test_notes_create_the_keys_secret_every_example_reads(notes_chart: Path, tmp_path: Path) -> None:
+    """NOTES create one Secret, the one every example names; none ships its own; its keys.yaml loads as the
+    services load it, with a user key and the eval key the rollout gate needs."""
+    text = notes(notes_chart, "--set", "continue.project=acme")
+    [(secret, literal)] = onboarding.keys_secrets(text)
+    assert onboarding.load_keys_literal(literal, tmp_path) == {"user": "acme", "eval": "acme"}
+    for path in onboarding.EXAMPLES:
+        jobs = [d for d in onboarding.docs(path) if d["kind"] == "OnlineRLJob"]
+        assert [j["spec"]["auth"]["apiKeysSecret"] for j in jobs] == [secret], path.name
+        shipped = [d for d in onboarding.docs(path) if d["kind"] == "Secret" and "keys.yaml" in d.get("stringData", {})]
+        assert not shipped, f"{path.name} ships a keys Secret: applying it would replace the one the user made"
+
+
+def test_notes_port_forwards_reach_the_job_services(notes_chart: Path) -> None:
+    text = notes(notes_chart)
+    ctx = onboarding.demo_context()
+    assert onboarding.check_port_forwards(text, ctx) == {"demo-serving", "demo-feedback"}
+    assert f"apiBase http://127.0.0.1:{ctx.cfg.serving.port}/v1" in text
+    assert f"destination http://127.0.0.1:{ctx.cfg.feedback.port}/api/training/data" in text
+
+
+def test_notes_gpu_counts_match_the_example_headers(notes_chart: Path) -> None:
+    text = notes(notes_chart)
+    for path in onboarding.EXAMPLES:
+        needed = int(re.match(r"GPUs needed: (\d+)", onboarding.header(path)).group(1))
+        [line] = [ln for ln in text.splitlines() if f"apply -f examples/{path.name}" in ln]
+        said = re.search(r"# (no GPU|\d+ GPUs?)", line).group(1)
+        assert said == ("no GPU" if needed == 0 else f"{needed} GPU{'s' if needed > 1 else ''}"), line

@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+from pathlib import Path
 
 import yaml
 
+from tests.chart import onboarding
 from tests.chart.helm import CHART, ROOT
 
 
@@ -53,3 +55,26 @@ def test_referenced_files_exist() -> None:
         assert "OnlineRLJob" in kinds, path
     for image in re.findall(r"\]\((docs/[\w.-]+\.png)\)", text):
         assert (CHART / image).is_file(), image
+
+
+def test_readmes_and_the_demo_header_give_the_same_onboarding(tmp_path: Path) -> None:
+    """The README, the chart README and the cpu-demo header create the Secret the examples read, with keys the
+    services load; the port-forwards name the demo's rendered Services, and the header's sed turns the job's status
+    config into one for those forwards."""
+    ctx = onboarding.demo_context()
+    texts = {
+        "README.md": (ROOT / "README.md").read_text(),
+        "charts/onlinerl/README.md": (CHART / "README.md").read_text(),
+        "examples/cpu-demo.yaml": onboarding.header(onboarding.CPU_DEMO),
+    }
+    for where, text in texts.items():
+        [(secret, literal)] = onboarding.keys_secrets(text)
+        assert secret == ctx.cfg.auth.api_keys_secret, where
+        assert set(onboarding.load_keys_literal(literal, tmp_path)) == {"user", "eval"}, where
+    for where in ("README.md", "examples/cpu-demo.yaml"):
+        assert onboarding.check_port_forwards(texts[where], ctx) == {"demo-serving", "demo-feedback"}, where
+    local = onboarding.local_continue_config(ctx)
+    assert local["models"][0]["apiBase"] == f"http://127.0.0.1:{ctx.cfg.serving.port}/v1"
+    assert local["data"][0]["destination"] == f"http://127.0.0.1:{ctx.cfg.feedback.port}/api/training/data"
+    assert ".svc" not in yaml.safe_dump(local)
+    assert f"http://127.0.0.1:{ctx.cfg.serving.port}/v1" in texts["README.md"]

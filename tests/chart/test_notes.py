@@ -16,6 +16,7 @@ from onlinerl.continue_config import continue_config
 from onlinerl.fim import get_template
 from tests.chart import onboarding
 from tests.chart.helm import CHART, VALUES_DIR, helm
+from tests.foundation import dockerfiles as df
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,14 @@ def test_notes_gpu_counts_match_the_example_headers(notes_chart: Path) -> None:
         [line] = [ln for ln in text.splitlines() if f"apply -f examples/{path.name}" in ln]
         said = re.search(r"# (no GPU|\d+ GPUs?)", line).group(1)
         assert said == ("no GPU" if needed == 0 else f"{needed} GPU{'s' if needed > 1 else ''}"), line
+
+
+def test_notes_name_the_operator_image_make_images_builds(notes_chart: Path) -> None:
+    built = df.make_images()
+    text = notes(notes_chart)
+    image = re.search(r"Its image is (\S+);", text).group(1)
+    assert image in built and "`make images`" in text
+    moved = df.make_images("IMAGE_REGISTRY=registry.example.com/team", "IMAGE_TAG=dev")
+    repository = "operator.image.repository=registry.example.com/team/onlinerl-operator"
+    pushed = notes(notes_chart, "--set", f"{repository},operator.image.tag=dev")
+    assert re.search(r"Its image is (\S+);", pushed).group(1) in moved  # the override and the chart values agree

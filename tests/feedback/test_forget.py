@@ -3,7 +3,8 @@
 Traffic: rollouts recorded by the gateway's own record path (``RolloutStore``), rated through the real feedback
 service (accepts, rejects, a resent completion id: samples, audit entries, contribution counters, user statistics),
 then trained by the real trainer (tiny model, in process): v1 on Alice's and Bob's samples, v2 on Bob's only (v1's
-child), and more samples of both left pending. Then the command, in process, as the admin user would run it:
+child), and more samples of both left pending; each component as its own ACL user, as `onlinerl up` runs them
+(none refused anything). Then the command, in process, as the admin Redis user:
 no record, sample, audit entry or per-user counter of Alice is left anywhere in Redis, Bob's and the other tenant's
 data are untouched to the entry, and the report counts what it deleted and names v1 (trained on Alice) and v2 (its
 descendant).
@@ -25,11 +26,12 @@ import redis
 from onlinerl.auth import user_hash
 from onlinerl.cli import main as cli
 from onlinerl.config import from_mapping
+from onlinerl.dataplane import acl
 from onlinerl.dataplane import samples as sample_family
 from onlinerl.keys import Keys
 from onlinerl.redisconn import connect_async
 from onlinerl.schemas import RolloutRecord, SamplingParams
-from onlinerl.valkey import EmbeddedValkey
+from onlinerl.valkey import EmbeddedValkey, RedisUsers
 from onlinerl_serving.capture import RolloutStore
 from onlinerl_trainer.trainer import Trainer
 from tests.privacy_corpus import every_value
@@ -44,8 +46,19 @@ COMPLETION_IDS = [966, 446, 12258, 24, 104, 25, 198]
 
 
 @pytest.fixture
-def feedback(tmp_path: Path, empty_valkey: EmbeddedValkey) -> Iterator[FeedbackServer]:
-    server = start_feedback(tmp_path / "feedback", empty_valkey.url, tenants=TENANTS)
+def vk(tmp_path: Path) -> Iterator[EmbeddedValkey]:
+    """A valkey locked down as `onlinerl up` runs it: each component as its own ACL user, `forget` as admin."""
+    server = EmbeddedValkey(tmp_path / "valkey", users=RedisUsers(JOB, acl.new_passwords()))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def feedback(tmp_path: Path, vk: EmbeddedValkey) -> Iterator[FeedbackServer]:
+    server = start_feedback(tmp_path / "feedback", vk.url_for("feedback"), tenants=TENANTS)
     try:
         yield server
     finally:
@@ -119,16 +132,19 @@ def holdings(client: redis.Redis, key: str) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_forget_a_user_deletes_all_of_theirs_and_names_the_versions_they_trained(
-    tmp_path: Path, empty_valkey: EmbeddedValkey, redis_client: redis.Redis, feedback: FeedbackServer, tiny_model_path
+    tmp_path: Path, vk: EmbeddedValkey, feedback: FeedbackServer, tiny_model_path: Path
 ) -> None:
+    redis_client = redis.Redis.from_url(vk.url)  # admin: what the test reads with, and what forget runs as
+    gateway_url = vk.url_for("gateway")
     acme = [("acme", ALICE), ("acme", BOB)]
-    asyncio.run(traffic(empty_valkey.url, feedback.url, acme, 0, 4))
+    asyncio.run(traffic(gateway_url, feedback.url, acme, 0, 4))
     cfg = from_mapping(
         {
             "job": JOB,
             "model": {"path": str(tiny_model_path), "maxModelLen": 256},
-            "redis": {"url": empty_valkey.url},
+            "redis": {"url": vk.url_for("trainer")},
             "storage": {"checkpointDir": str(tmp_path / "ckpt")},
             "trainer": {
                 "engine": "torch",
@@ -142,16 +158,16 @@ def test_forget_a_user_deletes_all_of_theirs_and_names_the_versions_they_trained
             },
         }
     )
-    trainer = Trainer(cfg, redis_client, tiny_model_path)
+    trainer = Trainer(cfg, redis.Redis.from_url(vk.url_for("trainer")), tiny_model_path)
     trainer.start()
     assert train_version(trainer) == 1  # Alice's and Bob's 8 samples
     assert trainer.store.manifest(1).contributors == {"acme": sorted([user_hash(ALICE), user_hash(BOB)])}
-    asyncio.run(traffic(empty_valkey.url, feedback.url, [("acme", BOB)], 4, 4))
+    asyncio.run(traffic(gateway_url, feedback.url, [("acme", BOB)], 4, 4))
     assert train_version(trainer) == 2  # Bob's only, trained from v1
     assert trainer.store.manifest(2).contributors == {"acme": [user_hash(BOB)]}
     trainer.close()
     # more traffic left pending (no trainer runs), and another tenant's
-    asyncio.run(traffic(empty_valkey.url, feedback.url, [*acme, ("globex", GLOBEX)], 10, 2))
+    asyncio.run(traffic(gateway_url, feedback.url, [*acme, ("globex", GLOBEX)], 10, 2))
 
     alice, bob, globex = (holdings(redis_client, k) for k in (ALICE, BOB, GLOBEX))
     assert alice["records"] == 6 and alice["samples"] == 2 and alice["audit"] == 2
@@ -162,7 +178,7 @@ def test_forget_a_user_deletes_all_of_theirs_and_names_the_versions_they_trained
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli(["forget", "--tenant", "acme", "--user", ALICE, "--redis-url", empty_valkey.url, "--job", JOB])
+        code = cli(["forget", "--tenant", "acme", "--user", ALICE, "--redis-url", vk.url, "--job", JOB])
     assert code == 0
     text = out.getvalue()
     assert ALICE not in text  # the key is never printed
@@ -184,12 +200,14 @@ def test_forget_a_user_deletes_all_of_theirs_and_names_the_versions_they_trained
 
     # a tenant-wide forget leaves nothing of acme, and globex as it was
     with contextlib.redirect_stdout(io.StringIO()):
-        assert cli(["forget", "--tenant", "acme", "--redis-url", empty_valkey.url, "--job", JOB]) == 0
+        assert cli(["forget", "--tenant", "acme", "--redis-url", vk.url, "--job", JOB]) == 0
     assert holdings(redis_client, BOB)["anywhere_but_lineage"] == 0
     assert not list(redis_client.scan_iter(match=f"{K.prefix}*:acme:*")) and not redis_client.exists(
         K.user_stats("acme", "")
     )
     assert holdings(redis_client, GLOBEX) == globex
+    assert redis_client.acl_log() == []  # gateway, feedback and trainer did all this as their own users
+    redis_client.close()
 
 
 def test_forget_refuses_a_tenant_name_that_could_address_other_keys(empty_valkey: EmbeddedValkey) -> None:

@@ -11,14 +11,17 @@ stop v2 before any user saw it, and that test is about the canary on live traffi
 controller with the gate on and the scripted user's judgement as its evaluator (tests/rollout/evaluators.py:
 ``scripted_user``, eval requests pinned through the real gateway): a worse v3 fails the gate, a better v4 passes.
 The third shows the accepted-characters guardrail live: a v5 whose suggestions users see shorter and accept more
-often, yet keep fewer characters of, is rolled back, never promoted.
+often, yet keep fewer characters of, is rolled back, never promoted. The last is a lone developer (issue 36): one key
+alone, under the local stack's rollout settings, is served the trained v6 within minutes of its gate passing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,7 @@ from onlinerl.rollout.records import DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
 from onlinerl.valkey import EmbeddedValkey, free_port
+from onlinerl_serving.routing import user_hash, user_point
 from tests.engines import SharedEngine, released
 from tests.serving.conftest import start_gateway, start_reloader, write_config
 from tests.serving.lora_helpers import publish_lora
@@ -47,6 +51,11 @@ JOB = "rollout-e2e"  # this module's own job on the shared engine (adapters roll
 
 USERS = 24
 TENANT = "acme"
+# A lone developer's tenant: one key, alone in it (as `onlinerl up`'s demo tenant has one user key), so the feedback
+# service's anomaly test has no other users to hold it against; in acme, next to the scripted users, its accept rate
+# would be an outlier and quarantined (as it should be there).
+SOLO_TENANT = "solo"
+SOLO_KEY = next(k for k in (f"sk-solo-{i}-0123456789" for i in range(100)) if user_point(user_hash(k)) >= 0.5)
 ACCEPT = {0: 0.20, 1: 0.70, 2: 0.02, 3: 0.02, 4: 0.90}
 EVAL_KEY = "sk-eval-gate-0123456789"
 MIN_SAMPLES = 24
@@ -92,7 +101,9 @@ class Loop:
 def loop(tmp_path_factory: pytest.TempPathFactory, tiny_lora_engine: SharedEngine) -> Iterator[Loop]:
     tmp = tmp_path_factory.mktemp("rollout-e2e")
     user_keys = [f"sk-user-{i:02d}-0123456789" for i in range(USERS)]
-    keys_file = write_keys_file(tmp / "keys.yaml", {TENANT: [*user_keys, {"key": EVAL_KEY, "role": "eval"}]})
+    keys_file = write_keys_file(
+        tmp / "keys.yaml", {TENANT: [*user_keys, {"key": EVAL_KEY, "role": "eval"}], SOLO_TENANT: [SOLO_KEY]}
+    )
     valkey = EmbeddedValkey(tmp / "valkey").start()
     gw_port, rl_port, fb_port, ctl_port = (free_port() for _ in range(4))
     sections = dict(
@@ -159,6 +170,7 @@ class ScriptedUsers:
     accept: dict[int, float] = field(default_factory=lambda: dict(ACCEPT))  # version -> P(accept)
     # version -> share of each suggestion's characters the editor displays (Continue cuts displays: a prefix joins)
     display: dict[int, float] = field(default_factory=dict)
+    tenant: str = TENANT  # the users' project (every key of loop.user_keys is in it)
 
     def clients(self) -> list[ContinueClient]:
         return [
@@ -166,7 +178,7 @@ class ScriptedUsers:
                 f"{self.loop.gateway_url}/v1",
                 f"{self.loop.feedback_url}/api/training/submit",
                 key,
-                TENANT,
+                self.tenant,
                 "Qwen2.5-Coder-1.5B",
                 QWEN,
                 max_tokens=8,
@@ -233,6 +245,23 @@ def last_decision(loop: Loop, kind: str, version: int) -> DecisionRecord:
     return recs[-1]
 
 
+def scripted_gate(loop: Loop, samples: int, accept: dict[int, float]) -> dict[str, str]:
+    """The controller's environment for the eval gate on, ``samples`` eval requests per version, judged by the scripted
+    user (tests/rollout/evaluators.py: ``scripted_user``, with the rates in ``accept``) through the real gateway."""
+    return {
+        "ONLINERL__ROLLOUT__GATE__ENABLED": "true",
+        "ONLINERL__ROLLOUT__GATE__EVAL_SAMPLES": str(samples),
+        # The scripted user judges acceptance only; how long each version's text is comes from the tiny random model
+        # (v4's 8 tokens ran ~40% shorter than v1's, so at the default 0.75 the accepted-chars guardrail failed a
+        # candidate the user prefers). 0.3 still fails v3 on it (asserted below) and leaves v4's verdict to the user.
+        "ONLINERL__ROLLOUT__GATE__MIN_ACCEPTED_CHARS_RATIO": "0.3",
+        "ONLINERL_ROLLOUT_EVALUATOR": "tests.rollout.evaluators:scripted_user",
+        "ONLINERL_TEST_GATEWAY_URL": loop.gateway_url,
+        "ONLINERL_TEST_EVAL_KEY": EVAL_KEY,
+        "ONLINERL_TEST_ACCEPT": json.dumps(accept),
+    }
+
+
 def settle_on_v1(loop: Loop) -> None:
     """Bring the module to where the canary test leaves it: stable v1, no candidate, no manual hold. A test that runs
     alone gets there the same way, through the product: v1 published, made the candidate by the controller and
@@ -290,18 +319,7 @@ def test_gate_on_judges_through_the_real_gateway(loop: Loop) -> None:
     """The controller with the gate on: the scripted user's judgement, on eval requests pinned to each version
     through the real gateway (arm ``eval``, never counted in the canary's arms), decides the gate."""
     settle_on_v1(loop)  # where the canary test leaves it (run alone: this test gets there itself)
-    loop.start_controller(
-        ONLINERL__ROLLOUT__GATE__ENABLED="true",
-        ONLINERL__ROLLOUT__GATE__EVAL_SAMPLES="24",
-        # The scripted user judges acceptance only; how long each version's text is comes from the tiny random model
-        # (v4's 8 tokens ran ~40% shorter than v1's, so at the default 0.75 the accepted-chars guardrail failed a
-        # candidate the user prefers). 0.3 still fails v3 on it (asserted below) and leaves v4's verdict to the user.
-        ONLINERL__ROLLOUT__GATE__MIN_ACCEPTED_CHARS_RATIO="0.3",
-        ONLINERL_ROLLOUT_EVALUATOR="tests.rollout.evaluators:scripted_user",
-        ONLINERL_TEST_GATEWAY_URL=loop.gateway_url,
-        ONLINERL_TEST_EVAL_KEY=EVAL_KEY,
-        ONLINERL_TEST_ACCEPT=json.dumps(ACCEPT),
-    )
+    loop.start_controller(**scripted_gate(loop, 24, ACCEPT))
     eval_served_before = int(loop.redis.hget(loop.keys.stats(1, EVAL), "served") or 0)
     publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 3)
     wait_for(lambda: loop.store.state(3) is not None, timeout=120, what="the gate's verdict on v3")
@@ -340,3 +358,69 @@ def test_shorter_candidate_accepted_more_is_rolled_back_on_accepted_characters(l
     assert cand["accepted_chars_per_100"] < 0.9 * stable["accepted_chars_per_100"]
     assert (table(loop).stable, table(loop).candidate) == (1, None) and users.failed == 0
     print(f"\nshorter v5 rolled back after {events} feedback events: {rollback.reason}")
+
+
+def test_a_lone_key_is_served_the_trained_version_within_minutes(loop: Loop) -> None:
+    """A lone developer (issue 36): one key, on the stable arm by its hash, is the whole traffic. The controller runs
+    with the local stack's rollout settings (rollout.fewUsers: decide, minSamples 30, maxLooks 1, canary share 0.5,
+    the gate on with 32 eval samples per version: tests/rollout/test_lone_developer.py computes them from the
+    product's functions), except minDwellSeconds 0 (the dwell is a clock wait, which the simulated-clock test there
+    spends in full) and the accepted-characters floors at 0.3 (the tiny random model's lengths, as in the gate test).
+    Through the real gateway, feedback and controller processes: the canary splits by request after
+    30 requests from one user, the key is served the candidate, its outcomes count in the arm that served them, the
+    pooled verdict promotes v6, and `onlinerl status` says what the canary waits for meanwhile."""
+    from onlinerl.loop.status import collect, render
+
+    settle_on_v1(loop)
+    accept = {**ACCEPT, 6: 0.9}
+    loop.start_controller(
+        ONLINERL__ROLLOUT__FEW_USERS="decide",
+        ONLINERL__ROLLOUT__MIN_SAMPLES="30",
+        ONLINERL__ROLLOUT__MAX_LOOKS="1",
+        ONLINERL__ROLLOUT__CANARY_SHARE="0.5",
+        # the live floor as the gate's (scripted_gate): the tiny random model's lengths are not the user's preference
+        ONLINERL__ROLLOUT__GUARDRAILS__MIN_ACCEPTED_CHARS_RATIO="0.3",
+        **scripted_gate(loop, 32, accept),
+    )
+    try:
+        # one key, alone in its tenant, on the stable arm by its hash (the measured case: served v0 for ever)
+        users = ScriptedUsers(dataclasses.replace(loop, user_keys=[SOLO_KEY]), accept=accept, tenant=SOLO_TENANT)
+        publish_lora(loop.redis, JOB, loop.base_model, loop.ckpt_root, 6)
+        wait_for(lambda: table(loop).candidate == 6, timeout=180, what="v6 to pass the gate")
+        t0 = time.monotonic()
+        said: list[str] = []
+        first_v6: list[float] = []
+
+        def done() -> bool:
+            said.append(render(collect(loop.redis, JOB)))
+            if not first_v6 and users.arms.get((6, CANDIDATE), 0) > 0:
+                first_v6.append(time.monotonic() - t0)
+            return table(loop).stable == 6
+
+        try:
+            events = users.drive_until(done, timeout=240)
+        except AssertionError as exc:  # say what the canary waited for, and what the key was served
+            raise AssertionError(f"{exc}; served {users.arms}; {said[-1] if said else 'no status'}") from exc
+        promoted_after = time.monotonic() - t0
+    finally:
+        loop.start_controller()  # the module's configuration
+    assert users.failed == 0
+    assert any(
+        "1 user(s) in this canary, fewer than the 4 a look needs" in s and "splits by request" in s for s in said
+    )
+    assert any("split by request, judged on pooled counters" in s and "of requests" in s for s in said)
+    decisions = [d for _, d in loop.store.decisions(50) if d.version == 6]
+    assert decisions[0].decision == "gate_pass" and decisions[-1].decision == "promote"
+    assert any(d.decision == "hold" and "came from 1 user(s)" in d.reason for d in decisions)
+    assert "few-user canary (1 user(s), fewer than 4)" in decisions[-1].reason
+    # the one key was served both arms, and each outcome counted in the arm that served it
+    assert users.arms.get((6, CANDIDATE), 0) > 0 and users.arms.get((1, STABLE), 0) > 0
+    [(_, cand_user)] = loop.store.arm_users(6, CANDIDATE, 6).items()  # one user in each arm's ledger: the key
+    [(_, stable_user)] = loop.store.arm_users(1, STABLE, 6).items()
+    assert cand_user.served == loop.store.arm_stats(6, CANDIDATE).served == users.arms[(6, CANDIDATE)]
+    assert stable_user.shown > 0 and cand_user.shown > 0
+    assert table(loop).split == "key" and first_v6
+    print(
+        f"\nlone key: first served v6 {first_v6[0]:.0f} s after its gate passed, promoted after {promoted_after:.0f} s "
+        f"({events} feedback events): {decisions[-1].reason}"
+    )

@@ -1,7 +1,7 @@
 """`onlinerl forget --tenant T --user KEY` after simulated traffic (issue 38).
 
 Traffic: rollouts recorded by the gateway's own record path (``RolloutStore``), rated through the real feedback
-service (accepts, rejects, a resent completion id: samples, audit entries, contribution counters, user statistics),
+service (accepts, and a resent completion id: samples, audit entries, contribution counters, user statistics),
 then trained by the real trainer (tiny model, in process): v1 on Alice's and Bob's samples, v2 on Bob's only (v1's
 child), and more samples of both left pending; each component as its own ACL user, as `onlinerl up` runs them
 (none refused anything). Then the command, in process, as the admin Redis user:

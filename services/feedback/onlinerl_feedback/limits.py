@@ -61,8 +61,10 @@ def limit_args(
     prompt: str,
     decision: Decision,
     now: float | None = None,
+    sender: str = "",
 ) -> LimitArgs:
-    """Script keys and ARGV for the limit step; an event that contributes nothing passes ``subject = 0``."""
+    """Script keys and ARGV for the limit step; an event that contributes nothing passes ``subject = 0``.
+    ``sender``: the key's user hash, on the audit entry of an event over a limit (`onlinerl forget` finds it)."""
     now = time.time() if now is None else now
     ks = (
         keys.contrib(tenant, user, int(now // HOUR)),
@@ -76,7 +78,7 @@ def limit_args(
     rid = decision.rates
 
     def audited(reason: str) -> bytes:
-        return audit_entry(event, tenant, prompt, REJECTED, reason, now, rid)
+        return audit_entry(event, tenant, prompt, REJECTED, reason, now, rid, sender=sender)
 
     return LimitArgs(
         ks,

@@ -114,7 +114,7 @@ class FeedbackStore:
         # of a script against the caller's ACL user as read+write (onlinerl/dataplane/acl.py).
         unused = self._keys.audit
         counted = bool(decision.rates and decision.counters and decision.version is not None)
-        limit = limit_args(self._keys, self._limits, event, tenant, user, prompt, decision)
+        limit = limit_args(self._keys, self._limits, event, tenant, user, prompt, decision, sender=sender)
         ledger = (
             ledger_for(self._keys, decision.version, decision.arm, decision.canary, decision.served_user)
             if counted and decision.version is not None

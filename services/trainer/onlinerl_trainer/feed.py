@@ -260,4 +260,5 @@ def _refusal(stream_id: str, sample: TrainingSample | None, reason: str) -> byte
         reason=reason,
         rollout_id=sample.rollout_id if sample else "",
         stream_id=stream_id,
+        user_hash=sample.user_hash if sample else "",  # whose sample: `onlinerl forget` finds the entry
     ).to_json()

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup run test test-fast bench lint chart images clean
+.PHONY: setup run test test-fast bench gpu-proof-wheels lint chart images clean
 
 # Re-runs only when pyproject.toml changes: a second `make test` starts testing at once.
 $(STAMP): pyproject.toml
@@ -44,6 +44,11 @@ test-fast: setup
 bench: setup
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk) || echo "wrk unavailable: the feedback benchmark will fail"
 	$(BIN)/python bench/run_all.py
+
+# The wheels a lent GPU box lacks for bench/gpu_proof.sh (DeepSpeed built here with DS_BUILD_OPS=0, and the
+# dependencies, for Python 3.11 and 3.12) into bench/wheels/, git-ignored: bench/README.md, "GPU proof".
+gpu-proof-wheels: setup
+	PYTHON=$(CURDIR)/$(BIN)/python bench/gpu_proof.sh --build-wheels
 
 lint: setup
 	$(BIN)/ruff check .

@@ -45,22 +45,33 @@ def model_path(which: str) -> Path:
     return make_tiny_model(default_cache_dir() / "models" / "tiny-llama-2l", smol)
 
 
-def make_samples(n: int, prompt_len: int, completion_len: int, seed: int):
+def make_samples(
+    n: int,
+    prompt_len: int,
+    completion_len: int,
+    seed: int,
+    *,
+    vocab: tuple[int, int] = (100, 40000),
+    behaviour: float = -3.0,
+    spread: int = 5,
+):
+    """``n`` rated samples: token ids drawn from ``vocab`` (low, high), behaviour log-probs around ``behaviour``,
+    completions ``completion_len`` minus 0 to ``spread - 1`` tokens, accepts and rejects alternating."""
     from onlinerl.schemas import TrainingSample
 
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        c = max(1, completion_len - i % 5)  # a little length variety, as real completions have
+        c = max(1, completion_len - i % spread)  # a little length variety, as real completions have
         out.append(
             TrainingSample(
                 event_id=f"b{seed}-{i}",
-                rollout_id=f"r{i}",
+                rollout_id=f"r{seed}-{i}",
                 tenant="bench",
                 policy_version=0,
-                prompt_token_ids=torch.randint(100, 40000, (prompt_len,), generator=g).tolist(),
-                completion_token_ids=torch.randint(100, 40000, (c,), generator=g).tolist(),
-                behaviour_logprobs=(-3.0 + 0.1 * torch.randn(c, generator=g)).tolist(),
+                prompt_token_ids=torch.randint(*vocab, (prompt_len,), generator=g).tolist(),
+                completion_token_ids=torch.randint(*vocab, (c,), generator=g).tolist(),
+                behaviour_logprobs=(behaviour + 0.1 * torch.randn(c, generator=g)).tolist(),
                 reward=0.75 if i % 2 else -0.25,
                 accepted=bool(i % 2),
             )

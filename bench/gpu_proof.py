@@ -419,7 +419,8 @@ def run_proof(args: argparse.Namespace) -> int:
             row = child(args, what) if args.isolate else one_in_process(name, model_dir, args)
             row["status"] = "ok"
         except Exception as exc:  # one engine failing must not hide the others' figures
-            row = {"config": name, "status": f"failed: {str(exc).strip().splitlines()[-1][:200]}"}
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            row = {"config": name, "status": "failed: " + last[:200].replace("|", "/")}  # one table cell
         longest = max(longest, time.monotonic() - t)
         rows.append(row)
         print(f"{name}: {json.dumps(row)}", flush=True)

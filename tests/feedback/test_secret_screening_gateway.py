@@ -119,7 +119,8 @@ def test_a_secret_in_the_prompt_is_served_never_stored_never_trained(
             # nothing in Redis holds either secret in clear: every key name and every value of every type
             for value in every_value(admin):
                 assert AWS_KEY.encode() not in value and GITHUB_TOKEN.encode() not in value
-        for log in (tmp_path / "gateway.log", tmp_path / "feedback" / "feedback.log"):
+        logs = (tmp_path / "gateway.log", tmp_path / "feedback" / "feedback.log", tiny_lora_engine.child.log_path)
+        for log in logs:  # the gateway's, feedback's and vLLM's own
             text = log.read_text(errors="replace")
             assert AWS_KEY not in text and GITHUB_TOKEN not in text, log
         assert admin.acl_log() == []  # both services did this as their own users

@@ -197,7 +197,10 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         monitor.start()
         sweeper = SilenceSweeper(client, keys, fb, silenced)  # starts only if a tenant has silence on
         sweeper.start()
-        retention = AuditRetention(client, keys, cfg.privacy.retention.audit_seconds)  # issue 38
+        # issue 38. Its own client: on the shared one, the submit path kept failing after a Redis restart
+        # (tests/feedback/test_durability.py; the pipeliners take their connections from that pool).
+        retention_client = redis_client(redis_url, connect_timeout=min(cfg.redis.connect_timeout_seconds, 0.5))
+        retention = AuditRetention(retention_client, keys, cfg.privacy.retention.audit_seconds)
         retention.start()
         store = FeedbackStore(reads, writes, keys, fb.dedupe_ttl_seconds, cfg.redis.rollout_ttl_seconds, fb.limits)
         deps = Deps(store, monitor, client)
@@ -206,6 +209,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
             yield
         finally:
             await retention.close()
+            await retention_client.aclose()
             await sweeper.close()
             await monitor.close()
             await writes.close()

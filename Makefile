@@ -35,11 +35,16 @@ setup: $(STAMP) $(CONTINUE_NPM)
 run: setup
 	$(BIN)/onlinerl up
 
+# Tests run on TEST_WORKERS pytest-xdist workers: every vLLM test on the first (it boots the shared engines), the
+# CPU-light modules spread over all of them (tests/lanes.py). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 3
+PYTEST_LANES = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
+
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_LANES)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not slow"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not slow" $(PYTEST_LANES)
 
 bench: setup
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk) || echo "wrk unavailable: the feedback benchmark will fail"

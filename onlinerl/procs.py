@@ -39,8 +39,10 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """One health probe. A plain-HTTP probe skips loading the CA bundle (16 ms of CPU per client on a busy 2-core
+    box, paid on every poll of a start-up wait); an https one still verifies."""
     try:
-        return httpx.get(url, timeout=timeout).status_code == 200
+        return httpx.get(url, timeout=timeout, verify=not url.startswith("http://")).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -9,6 +9,7 @@ data-plane contract (:mod:`onlinerl.dataplane.acl`), ``default`` off; :meth:`Emb
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import socket
@@ -102,6 +103,20 @@ _handed_out: set[int] = set()
 _rng = random.Random()  # its own generator: a test that seeds the global one must not make every run pick alike
 
 
+PORT_RANGE_ENV = "ONLINERL_FREE_PORTS"
+
+
+def port_range() -> tuple[int, int]:
+    """:data:`FREE_PORT_RANGE`, or the slice ``$ONLINERL_FREE_PORTS`` names ("lo-hi"): processes that choose ports
+    side by side without knowing of each other (parallel test workers and their children) each take a slice of
+    their own, since a port one has chosen but not bound yet looks free to the others."""
+    value = os.environ.get(PORT_RANGE_ENV)
+    if not value:
+        return FREE_PORT_RANGE
+    lo, _, hi = value.partition("-")
+    return int(lo), int(hi)
+
+
 def free_port() -> int:
     """A loopback port that is free now and that this process has not handed out before.
 
@@ -110,7 +125,7 @@ def free_port() -> int:
     clone's CI run failed so (tests/loop/test_kill9.py: "address already in use" on the reloader's port). Outside that
     range only another deliberate listener can take it, and never one this process chose.
     """
-    lo, hi = FREE_PORT_RANGE
+    lo, hi = port_range()
     start = _rng.randint(lo, hi)
     for offset in range(hi - lo + 1):
         port = lo + (start - lo + offset) % (hi - lo + 1)

@@ -18,12 +18,16 @@ import pytest
 import redis
 
 from onlinerl import compile_cache
+from onlinerl import valkey as valkey_module
 from onlinerl.valkey import EmbeddedValkey
 from tests.engines import PLAN, EnginePool, SharedEngine
+from tests.lanes import engine_worker, needs_vllm, worker_port_range, write_lane
 
 # One torch thread per process: tests share 2 cores with servers they start.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist each worker (and what it starts) picks loopback ports from its own slice (tests/lanes.py).
+os.environ[valkey_module.PORT_RANGE_ENV] = "{}-{}".format(*worker_port_range(*valkey_module.FREE_PORT_RANGE))
 
 
 # ---- models: built once per machine (cached), resolved once per session, from the main thread or the engine boot ----
@@ -145,20 +149,25 @@ def smollm2_engine(request: pytest.FixtureRequest) -> SharedEngine:
     return _shared(request)
 
 
-def _needs_vllm(item: pytest.Item) -> bool:
-    return item.get_closest_marker("vllm") is not None or any(f in PLAN for f in item.fixturenames)
-
-
 def _module_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``make test`` runs on xdist workers: the vLLM lane on the engine worker, the rest on all (tests/lanes.py)."""
+    if config.getvalue("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
+        return None  # "each", "worksteal": xdist's own
+    from tests.lanes import EngineLaneScheduling
+
+    return EngineLaneScheduling(config, log)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules that need vLLM run last (those on shared engines first, then those that start their own), the engine
     plan's guard after them; the shared engines they use start booting now, in the order they are first needed."""
-    vllm_modules = {_module_of(i) for i in items if _needs_vllm(i)}
-    own = {_module_of(i) for i in items if _needs_vllm(i) and not any(f in PLAN for f in i.fixturenames)}
+    vllm_modules = {_module_of(i) for i in items if needs_vllm(i)}
+    own = {_module_of(i) for i in items if needs_vllm(i) and not any(f in PLAN for f in i.fixturenames)}
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("engine_plan_guard"):
@@ -167,11 +176,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return 0 if module not in vllm_modules else 2 if module in own else 1
 
     items.sort(key=rank)  # stable: file order within each group
+    write_lane(config, items)
     # Engines share compiled kernels within this run only (onlinerl/compile_cache.py): each run starts cold, as on a
     # fresh machine, and the first engine of the run writes what the later ones (replicas, restarts) copy.
     os.environ[compile_cache.SHARED_ENV] = str(config._tmp_path_factory.getbasetemp() / "compile-cache")  # type: ignore[attr-defined]
     needed = [f for i in items for f in i.fixturenames if f in PLAN]
-    if needed and not config.option.collectonly:
+    if needed and not config.option.collectonly and engine_worker():
         _engine_pool(config).boot(list(dict.fromkeys(needed)))
 
 

@@ -26,7 +26,7 @@ def test_free_port_stays_out_of_the_ephemeral_range_never_repeats_and_skips_a_ta
 
     from onlinerl import valkey
 
-    lo, hi = valkey.FREE_PORT_RANGE
+    lo, hi = valkey.port_range()  # this process's slice of FREE_PORT_RANGE (tests/lanes.py)
     assert hi < int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     picked = [valkey.free_port() for _ in range(200)]
     assert len(set(picked)) == 200 and all(lo <= p <= hi for p in picked)
@@ -49,7 +49,7 @@ def test_free_port_stays_out_of_the_ephemeral_range_never_repeats_and_skips_a_ta
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", held))
         taken.listen()
-        monkeypatch.setattr(valkey, "FREE_PORT_RANGE", (held - 1, held + 1))
+        monkeypatch.setenv(valkey.PORT_RANGE_ENV, f"{held - 1}-{held + 1}")
         monkeypatch.setattr(valkey, "_handed_out", set())
         assert {valkey.free_port(), valkey.free_port()} == {held - 1, held + 1}
         with pytest.raises(RuntimeError, match="no free loopback port"):

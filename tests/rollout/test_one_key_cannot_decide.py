@@ -62,6 +62,7 @@ class Canary:
     attacker: dict[str, str]
     feedback: FeedbackServer
     tokenizer: object
+    http: httpx.Client  # one keep-alive client: a fresh one per rating costs more than the rating (TLS context)
     served: int = 0
 
     def serve_and_rate(self, key: str, accepted: bool) -> None:
@@ -72,7 +73,7 @@ class Canary:
         rec = make_rollout(self.tokenizer, tenant="acme", prompt=prompt, completion=TEXT, version=r.version, arm=r.arm)
         rec = rec.model_copy(update={"user_hash": user_hash(key), "canary": self.table.candidate})
         self.r.execute_command(*record_command(self.keys, rec, 1800, 100_000, False))
-        resp = httpx.post(
+        resp = self.http.post(
             f"{self.feedback.url}/api/training/submit",
             json=event(prompt, TEXT, accepted=accepted),
             headers={"Authorization": f"Bearer {key}", "X-Project-ID": "acme"},
@@ -115,7 +116,8 @@ def canary(empty_valkey, redis_client, tmp_path, tokenizer, few_users: str) -> I
     everyone = [k for ks in honest.values() for k in ks] + list(attacker.values())
     fb = start_feedback(tmp_path, empty_valkey.url, tenants={"acme": everyone}, limits={"anomalyK": 0})
     try:
-        yield Canary(redis_client, Keys(JOB), ctl, clock, table, honest, attacker, fb, tokenizer)
+        with httpx.Client(timeout=10) as http:
+            yield Canary(redis_client, Keys(JOB), ctl, clock, table, honest, attacker, fb, tokenizer, http)
     finally:
         fb.stop()
 

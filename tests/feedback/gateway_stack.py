@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from onlinerl.auth import write_keys_file
 from onlinerl.procs import Child
-from onlinerl.valkey import free_port
+from onlinerl.valkey import EmbeddedValkey, free_port
 from tests.engines import SharedEngine, released
 from tests.serving.conftest import start_gateway, write_config
 
@@ -68,3 +70,21 @@ def gateway_and_feedback(
                 fb.stop()
             for child in reversed(children):
                 child.stop(timeout=5)
+
+
+@contextlib.contextmanager
+def as_own_users(
+    vk: EmbeddedValkey, tmp: Path, engine: SharedEngine, tenants: dict[str, list[Any]]
+) -> Iterator[tuple[redis.Redis, Endpoints]]:
+    """``gateway_and_feedback`` on a locked-down valkey, each service as its own ACL user (as `onlinerl up` runs
+    them), with an admin client for the test; afterwards (services stopped) neither was refused anything."""
+    admin = redis.Redis.from_url(vk.url)
+    admin.acl_log_reset()
+    try:
+        with gateway_and_feedback(
+            tmp, vk.url_for("gateway"), engine, tenants, feedback_redis_url=vk.url_for("feedback")
+        ) as ep:
+            yield admin, ep
+        assert admin.acl_log() == []  # both services did all of it as their own users
+    finally:
+        admin.close()

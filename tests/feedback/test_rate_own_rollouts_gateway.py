@@ -27,7 +27,7 @@ from onlinerl.valkey import EmbeddedValkey, RedisUsers
 from onlinerl_feedback.limits import user_of
 from tests.engines import SharedEngine
 from tests.feedback.conftest import JOB
-from tests.feedback.gateway_stack import gateway_and_feedback
+from tests.feedback.gateway_stack import as_own_users
 from tests.feedback.test_rollout_rules_through_gateway import serve
 
 QWEN = get_template("qwen")
@@ -65,37 +65,27 @@ def contributions(admin: redis.Redis, key: str) -> int:
 def test_a_key_cannot_rate_what_the_gateway_served_another_key(
     vk: EmbeddedValkey, tmp_path: Path, tiny_lora_engine: SharedEngine
 ) -> None:
-    admin = redis.Redis.from_url(vk.url)
-    admin.acl_log_reset()
-    try:
-        with gateway_and_feedback(
-            tmp_path, vk.url_for("gateway"), tiny_lora_engine, TENANTS, feedback_redis_url=vk.url_for("feedback")
-        ) as ep:
-            alice = ContinueClient(ep.api, ep.track, ALICE, "acme", "onlinerl-base", QWEN, max_tokens=8)
-            mallory = ContinueClient(ep.api, ep.track, MALLORY, "acme", "onlinerl-base", QWEN, max_tokens=8)
-            prompt, res = asyncio.run(serve(alice, "own"))
-            [raw] = admin.hvals(K.rollouts("acme", prompt))
-            record = RolloutRecord.model_validate_json(raw)
-            assert record.user_hash == user_hash(ALICE)  # the gateway names the user it served
+    with as_own_users(vk, tmp_path, tiny_lora_engine, TENANTS) as (admin, ep):
+        alice = ContinueClient(ep.api, ep.track, ALICE, "acme", "onlinerl-base", QWEN, max_tokens=8)
+        mallory = ContinueClient(ep.api, ep.track, MALLORY, "acme", "onlinerl-base", QWEN, max_tokens=8)
+        prompt, res = asyncio.run(serve(alice, "own"))
+        [raw] = admin.hvals(K.rollouts("acme", prompt))
+        record = RolloutRecord.model_validate_json(raw)
+        assert record.user_hash == user_hash(ALICE)  # the gateway names the user it served
 
-            code, reply = asyncio.run(rate(mallory, prompt, res.text))
-            assert code == 200 and (reply["status"], reply["reason"]) == ("rejected", "not_own_rollout"), reply
-            assert admin.xlen(K.samples) == 0
-            [(_, fields)] = admin.xrange(K.audit)
-            audited = orjson.loads(fields[b"data"])
-            assert (audited["reason"], audited["rollout_id"]) == ("not_own_rollout", record.rollout_id)
-            assert contributions(admin, MALLORY) == 0
-            shown = {
-                k: v for k, v in admin.hgetall(K.stats(record.policy_version, record.arm)).items() if k != b"served"
-            }
-            assert shown == {}  # Mallory moved no counter of Alice's arm
+        code, reply = asyncio.run(rate(mallory, prompt, res.text))
+        assert code == 200 and (reply["status"], reply["reason"]) == ("rejected", "not_own_rollout"), reply
+        assert admin.xlen(K.samples) == 0
+        [(_, fields)] = admin.xrange(K.audit)
+        audited = orjson.loads(fields[b"data"])
+        assert (audited["reason"], audited["rollout_id"]) == ("not_own_rollout", record.rollout_id)
+        assert contributions(admin, MALLORY) == 0
+        shown = {k: v for k, v in admin.hgetall(K.stats(record.policy_version, record.arm)).items() if k != b"served"}
+        assert shown == {}  # Mallory moved no counter of Alice's arm
 
-            code, reply = asyncio.run(rate(alice, prompt, res.text))
-            assert code == 200 and reply["status"] == "accepted_for_training", reply
-            assert reply["rollout_id"] == record.rollout_id
-            [(_, fields)] = admin.xrange(K.samples)
-            assert orjson.loads(fields[b"data"])["rollout_id"] == record.rollout_id
-            assert contributions(admin, ALICE) == 1 and contributions(admin, MALLORY) == 0
-        assert admin.acl_log() == []  # the gateway and feedback did all this as their own users, refused nothing
-    finally:
-        admin.close()
+        code, reply = asyncio.run(rate(alice, prompt, res.text))
+        assert code == 200 and reply["status"] == "accepted_for_training", reply
+        assert reply["rollout_id"] == record.rollout_id
+        [(_, fields)] = admin.xrange(K.samples)
+        assert orjson.loads(fields[b"data"])["rollout_id"] == record.rollout_id
+        assert contributions(admin, ALICE) == 1 and contributions(admin, MALLORY) == 0

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-import redis
 
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
@@ -26,7 +25,7 @@ from onlinerl.schemas import RolloutRecord
 from onlinerl.valkey import EmbeddedValkey
 from tests.engines import SharedEngine
 from tests.feedback.conftest import JOB
-from tests.feedback.gateway_stack import gateway_and_feedback
+from tests.feedback.gateway_stack import as_own_users
 from tests.feedback.test_rate_own_rollouts_gateway import rate, vk  # noqa: F401 (vk: the module's valkey fixture)
 from tests.privacy_corpus import every_value, fake_aws_key_id, fake_github_token
 
@@ -65,64 +64,54 @@ def test_a_secret_in_the_prompt_is_served_never_stored_never_trained(
     tmp_path: Path,
     tiny_lora_engine: SharedEngine,
 ) -> None:
-    admin = redis.Redis.from_url(vk.url)
-    admin.acl_log_reset()
-    try:
-        with gateway_and_feedback(
-            tmp_path, vk.url_for("gateway"), tiny_lora_engine, TENANTS, feedback_redis_url=vk.url_for("feedback")
-        ) as ep:
-            alice = ContinueClient(ep.api, ep.track, ALICE, "acme", "onlinerl-base", QWEN, max_tokens=8)
-            prompt, res = asyncio.run(serve(alice, f'AWS_ACCESS_KEY_ID = "{AWS_KEY}"'))  # served as usual
+    with as_own_users(vk, tmp_path, tiny_lora_engine, TENANTS) as (admin, ep):
+        alice = ContinueClient(ep.api, ep.track, ALICE, "acme", "onlinerl-base", QWEN, max_tokens=8)
+        prompt, res = asyncio.run(serve(alice, f'AWS_ACCESS_KEY_ID = "{AWS_KEY}"'))  # served as usual
 
-            [raw] = admin.hvals(K.rollouts("acme", prompt))  # filed under the prompt's digest, so feedback finds it
-            record = RolloutRecord.model_validate_json(raw)
-            assert record.redacted
-            assert (record.prompt, record.completion) == ("", "")
-            assert record.prompt_token_ids == record.completion_token_ids == record.behaviour_logprobs == []
-            [finding] = [s for s in record.secrets if s.field == "prompt"]
-            assert finding.kind == "aws_access_key_id"
-            assert prompt[finding.start : finding.end] == AWS_KEY  # where it was, not what it was
+        [raw] = admin.hvals(K.rollouts("acme", prompt))  # filed under the prompt's digest, so feedback finds it
+        record = RolloutRecord.model_validate_json(raw)
+        assert record.redacted
+        assert (record.prompt, record.completion) == ("", "")
+        assert record.prompt_token_ids == record.completion_token_ids == record.behaviour_logprobs == []
+        [finding] = [s for s in record.secrets if s.field == "prompt"]
+        assert finding.kind == "aws_access_key_id"
+        assert prompt[finding.start : finding.end] == AWS_KEY  # where it was, not what it was
 
-            code, reply = asyncio.run(rate(alice, prompt, res.text))
-            assert code == 200, reply
-            assert (reply["status"], reply["reason"], reply["rollout_id"]) == (
-                "rejected",
-                "secret_detected",
-                record.rollout_id,
-            )
-            assert admin.xlen(K.samples) == 0  # never trained
-            [(_, fields)] = admin.xrange(K.audit)
-            audited = orjson.loads(fields[b"data"])
-            assert (audited["reason"], audited["rollout_id"], audited["completion"]) == (
-                "secret_detected",
-                record.rollout_id,
-                "",
-            )
-            # a second delivery of the same accept (a retry) is a duplicate, still without text, still not trained
-            code, again = asyncio.run(rate(alice, prompt, res.text))
-            assert code == 200 and again["status"] in ("duplicate", "rejected"), again
-            assert admin.xlen(K.samples) == 0
+        code, reply = asyncio.run(rate(alice, prompt, res.text))
+        assert code == 200, reply
+        assert (reply["status"], reply["reason"], reply["rollout_id"]) == (
+            "rejected",
+            "secret_detected",
+            record.rollout_id,
+        )
+        assert admin.xlen(K.samples) == 0  # never trained
+        [(_, fields)] = admin.xrange(K.audit)
+        audited = orjson.loads(fields[b"data"])
+        assert (audited["reason"], audited["rollout_id"], audited["completion"]) == (
+            "secret_detected",
+            record.rollout_id,
+            "",
+        )
+        # a second delivery of the same accept (a retry) is a duplicate, still without text, still not trained
+        code, again = asyncio.run(rate(alice, prompt, res.text))
+        assert code == 200 and again["status"] in ("duplicate", "rejected"), again
+        assert admin.xlen(K.samples) == 0
 
-            # the completion side at feedback: an accept whose shown text holds a GitHub token (the tiny model cannot
-            # write one) is audited secret_detected, its text not kept, nothing trained
-            clean_prompt, clean = asyncio.run(serve(alice, "total = 0"))
-            code, reply = asyncio.run(rate(alice, clean_prompt, clean.text + f' # "{GITHUB_TOKEN}"'))
-            assert code == 200 and (reply["status"], reply["reason"]) == ("rejected", "secret_detected"), reply
-            assert [f["kind"] for f in reply["findings"]] == ["github_token"]
-            assert admin.xlen(K.samples) == 0
+        # the completion side at feedback: an accept whose shown text holds a GitHub token (the tiny model cannot
+        # write one) is audited secret_detected, its text not kept, nothing trained
+        clean_prompt, clean = asyncio.run(serve(alice, "total = 0"))
+        code, reply = asyncio.run(rate(alice, clean_prompt, clean.text + f' # "{GITHUB_TOKEN}"'))
+        assert code == 200 and (reply["status"], reply["reason"]) == ("rejected", "secret_detected"), reply
+        assert [f["kind"] for f in reply["findings"]] == ["github_token"]
+        assert admin.xlen(K.samples) == 0
 
-            assert metric(
-                ep.api.removesuffix("/v1"), "onlinerl_serving_secret_findings_total", kind="aws_access_key_id"
-            )
-            assert metric(ep.feedback.url, "onlinerl_feedback_secret_findings_total", kind="github_token") == 1
+        assert metric(ep.api.removesuffix("/v1"), "onlinerl_serving_secret_findings_total", kind="aws_access_key_id")
+        assert metric(ep.feedback.url, "onlinerl_feedback_secret_findings_total", kind="github_token") == 1
 
-            # nothing in Redis holds either secret in clear: every key name and every value of every type
-            for value in every_value(admin):
-                assert AWS_KEY.encode() not in value and GITHUB_TOKEN.encode() not in value
-        logs = (tmp_path / "gateway.log", tmp_path / "feedback" / "feedback.log", tiny_lora_engine.child.log_path)
-        for log in logs:  # the gateway's, feedback's and vLLM's own
-            text = log.read_text(errors="replace")
-            assert AWS_KEY not in text and GITHUB_TOKEN not in text, log
-        assert admin.acl_log() == []  # both services did this as their own users
-    finally:
-        admin.close()
+        # nothing in Redis holds either secret in clear: every key name and every value of every type
+        for value in every_value(admin):
+            assert AWS_KEY.encode() not in value and GITHUB_TOKEN.encode() not in value
+    logs = (tmp_path / "gateway.log", tmp_path / "feedback" / "feedback.log", tiny_lora_engine.child.log_path)
+    for log in logs:  # the gateway's, feedback's and vLLM's own
+        text = log.read_text(errors="replace")
+        assert AWS_KEY not in text and GITHUB_TOKEN not in text, log

@@ -68,3 +68,23 @@ def test_another_users_redacted_rollout_is_not_rated_by_this_user() -> None:
     assert d.reason != SECRET_DETECTED and d.rates == ""
     mine = decide(event("something else"), "acme", "def f():\n    ", [rec("r1", "u1", redacted=True)], cfg, rater="u1")
     assert (mine.reason, mine.rates, mine.to_samples) == (SECRET_DETECTED, "r1", False)
+
+
+def test_the_gateway_s_three_modes() -> None:
+    import pytest
+
+    from onlinerl_serving.errors import ApiError
+    from onlinerl_serving.screening import SecretScreen
+
+    leaky = rec("r1", "u1", f'"{TOKEN}"')
+    assert SecretScreen("off").screen(leaky) is leaky  # off: stored as served
+    SecretScreen("audit").check_prompt(f"x = '{TOKEN}'")  # audit never refuses
+    stored = SecretScreen("audit").screen(leaky)
+    assert stored.redacted and stored.completion == "" and [s.kind for s in stored.secrets] == ["github_token"]
+    clean = rec("r2", "u1")
+    assert SecretScreen("audit").screen(clean) is clean  # nothing found: untouched
+    with pytest.raises(ApiError) as refused:
+        SecretScreen("block").check_prompt(f"x = '{TOKEN}'")
+    assert (
+        refused.value.status == 400 and refused.value.code == "secret_in_prompt" and TOKEN not in refused.value.message
+    )

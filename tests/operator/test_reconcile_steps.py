@@ -65,7 +65,8 @@ def inject(cluster: Cluster, method: str, resource: str, name: str, status: int,
             return True
         if request.id <= after or len(hit) >= times:
             return False
-        if request.method.value == method and request.resource == resource and request.name == name:
+        named = request.name or ((request.data or {}).get("metadata") or {}).get("name")  # a POST names it in its body
+        if request.method.value == method and request.resource == resource and named == name:
             hit.append(request.id)
             return True
         return False

@@ -642,6 +642,26 @@ def feedback() -> dict[str, Any]:
             "or a key whose accept rate is far above its tenant's (quarantined until an admin releases it).",
         ),
         Panel(
+            "Secret findings by kind",
+            "timeseries",
+            [
+                (
+                    f"sum by (kind, field) (increase({sel('onlinerl_serving_secret_findings_total')}"
+                    "[$__rate_interval]))",
+                    "gateway {{field}} {{kind}}",
+                ),
+                (
+                    f"sum by (kind, field) (increase({sel('onlinerl_feedback_secret_findings_total')}"
+                    "[$__rate_interval]))",
+                    "feedback {{field}} {{kind}}",
+                ),
+            ],
+            bars=True,
+            decimals=0,
+            description="Credentials found by privacy.secretScreening: the gateway records such a rollout without its "
+            "text, the feedback service audits its outcome (secret_detected) and never trains it.",
+        ),
+        Panel(
             "Silence outcomes (sweeper)",
             "timeseries",
             [(f"sum by (result) (increase({sel('onlinerl_feedback_silence_total')}[$__rate_interval]))", "{{result}}")],

@@ -1,4 +1,4 @@
-"""`onlinerl up` as a newcomer runs it: safe by default. One real stack (the CLI, its own vLLM on CPU), three promises.
+"""`onlinerl up` as a newcomer runs it: safe by default. One real stack (the CLI, its own vLLM on CPU), four promises.
 
 - Nothing listens beyond loopback: every listening socket of the stack's process tree (the CLI, valkey, vLLM and its
   engine process, gateway, reloader, feedback, trainer, rollout controller) is on 127.0.0.1 / ::1. Before, the
@@ -7,6 +7,11 @@
 - A second `onlinerl up` beside it (same folder, same ports) exits 2 within seconds with one line naming the first
   stack and no traceback, writes nothing, and the first stack keeps serving.
 - A completion body without ``max_tokens`` is answered 200 within seconds on CPU (16 tokens, OpenAI's default).
+- Stock Continue against it, as a user copies the config `onlinerl up` PRINTS (issue 36's must-show): Continue's
+  parser loads it; completions stream through Continue's request code to its apiBase and key; accepts and rejects
+  posted as Continue's DataLogger posts them to its data: destination are trained, each once; a repeat, a ``0.1.0``
+  repeat, a ``noCode`` event, a ``tokensGenerated`` event and an unknown schema are answered 2xx and not trained;
+  a fresh ``0.1.0`` event and the direct upload train. "Trained" is read from the stack's own samples stream.
 
 The stack runs under umask 0, so its secret files must be 0600 by construction (onlinerl/secretfile.py).
 """
@@ -24,14 +29,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import orjson
 import psutil
 import pytest
+import redis
 import yaml
 
+from onlinerl.config import load_config
+from onlinerl.continue_config import DATA_PATH
 from onlinerl.data.builder import FimSample, write_jsonl
+from onlinerl.keys import Keys
 from onlinerl.loop.stack import StackPaths, ensure_demo_key
+from onlinerl.loop.template import template_for
 from onlinerl.procs import wait_for
 from onlinerl.valkey import free_port
+from tests.feedback.test_stock_continue import continue_client, outcome
 
 pytestmark = pytest.mark.vllm
 
@@ -165,3 +177,103 @@ def test_the_stacks_secret_files_are_private_under_umask_0(up: Up) -> None:
     for f in (paths.config, paths.keys, paths.redis_users, paths.valkey / "users.acl"):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
     assert stat.S_IMODE(paths.valkey.stat().st_mode) == 0o700
+
+
+def printed_config(log: str) -> str:
+    """The Continue config as a user copies it from `onlinerl up`'s output: from its first comment line to the fork's
+    last one."""
+    lines = log.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# onlinerl for stock Continue"))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("#   completionTrackingHeaders"))
+    return "\n".join(lines[start : end + 1]) + "\n"
+
+
+def test_stock_continue_closes_the_loop_with_the_config_up_prints(up: Up) -> None:
+    printed = printed_config(up.log.read_text())
+    answer = continue_client({"config": printed})
+    assert answer["error"] is None, answer["error"]  # Continue's own parser (@continuedev/config-yaml) loads it
+    (model,) = answer["config"]["models"]
+    (dest,) = answer["config"]["data"]
+    key = up.key()
+    assert (model["apiBase"], model["apiKey"]) == (f"{up.gateway}/v1", key)
+    assert (dest["destination"], dest["apiKey"]) == (f"http://127.0.0.1:{up.ports['feedback']}{DATA_PATH}", key)
+
+    cfg = load_config(StackPaths(up.state).config)  # the effective config `up` wrote: its job, Redis and template
+    template = template_for(cfg, None)
+    prompts = [template.render(f"def stock_{i}(a, b):\n    ", "\n") for i in range(10)]
+    t0 = time.monotonic()
+    done = continue_client({"config": printed, "completions": [{"prompt": p, "via": "continue"} for p in prompts]})
+    took = time.monotonic() - t0
+    got = done["completions"]
+    assert [(c["status"], c.get("error")) for c in got] == [(200, None)] * len(prompts), got
+    assert got[0]["sent"]["url"] == f"{up.gateway}/v1/completions"
+    assert got[0]["sent"]["headers"]["Authorization"] == f"Bearer {key}"
+    shown = [(p, c["text"]) for p, c in zip(prompts, got, strict=True) if c["text"].strip()]
+    print(f"{len(prompts)} completions through Continue's request code in {took:.1f} s; {len(shown)} non-empty")
+    assert any(len(c["chunks"]) > 1 for c in got), "no completion was streamed in more than one chunk"
+    assert len(shown) >= 4, f"only {len(shown)} non-empty completions: {[c['text'] for c in got]}"
+
+    accept, reject = outcome(*shown[0], True), outcome(*shown[1], False)
+    fresh_0_1_0, direct = outcome(*shown[2], True), outcome(*shown[3], True)
+    autocomplete = [{"name": "autocomplete", "data": d} for d in (accept, reject, accept)]
+    first, second, again = continue_client({"config": printed, "events": autocomplete})["posts"]
+    (old_schema, old_repeat) = continue_client(
+        {
+            "config": printed,
+            "events": [{"name": "autocomplete", "data": d} for d in (fresh_0_1_0, accept)],
+            "destination": {"schema": "0.1.0"},
+        }
+    )["posts"]
+    (no_code,) = continue_client({"config": printed, "events": autocomplete[:1], "destination": {"level": "noCode"}})[
+        "posts"
+    ]
+    tokens = {"model": model["model"], "provider": "openai", "promptTokens": 310, "generatedTokens": 12}
+    (generated,) = continue_client(
+        {"config": printed, "events": [{"name": "tokensGenerated", "data": tokens}], "destination": {"events": None}}
+    )["posts"]
+    (unknown,) = continue_client(
+        {
+            "config": printed,
+            "events": [{"name": "autocomplete", "data": outcome(*shown[0], True), "rawSchema": "9.9.9"}],
+        }
+    )["posts"]
+    submitted = httpx.post(
+        f"http://127.0.0.1:{up.ports['feedback']}/api/training/submit",
+        json=direct,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+    posts = {"accept": first, "reject": second, "repeat": again, "0.1.0": old_schema, "0.1.0 repeat": old_repeat}
+    posts |= {"noCode": no_code, "tokensGenerated": generated, "schema 9.9.9": unknown}
+    replies = {what: (p["status"], p["body"].get("status"), p["body"].get("reason")) for what, p in posts.items()}
+    replies["direct upload"] = (submitted.status_code, submitted.json().get("status"), submitted.json().get("reason"))
+    print("\n".join(f"{what:16} {reply}" for what, reply in replies.items()))
+    assert replies == {
+        "accept": (200, "accepted_for_training", None),
+        "reject": (200, "accepted_for_training", None),
+        "repeat": (200, "duplicate", "completion_id_seen"),
+        "0.1.0": (200, "accepted_for_training", None),
+        "0.1.0 repeat": (200, "duplicate", "completion_id_seen"),
+        "noCode": (200, "rejected", "no_code"),
+        "tokensGenerated": (200, "ignored", None),
+        "schema 9.9.9": (200, "rejected", "unknown_schema"),
+        "direct upload": (200, "accepted_for_training", None),
+    }
+    # Trained once: the samples stream was appended to exactly once per accepted outcome (entries-added counts what
+    # the trainer has since acknowledged and deleted too); what is still in it is those samples, nothing else.
+    written = {p["body"]["sample_id"]: d["completionId"] for p, d in ((first, accept), (second, reject))}
+    written |= {old_schema["body"]["sample_id"]: fresh_0_1_0["completionId"]}
+    written |= {submitted.json()["sample_id"]: direct["completionId"]}
+    assert again["body"]["entry_id"] == old_repeat["body"]["entry_id"] == first["body"]["sample_id"]
+    admin = redis.Redis.from_url(cfg.redis.url)
+    try:
+        stream = Keys(cfg.job).samples
+        added = admin.xinfo_stream(stream)["entries-added"]
+        left = {eid.decode(): orjson.loads(fields[b"data"]) for eid, fields in admin.xrange(stream)}
+    finally:
+        admin.close()
+    print(f"samples written {added}, still unacknowledged {len(left)}")
+    assert added == len(written) == 4, (added, written)
+    assert {eid: s["event_id"] for eid, s in left.items()} == {eid: written[eid] for eid in left}
+    assert all(s["tenant"] == "demo" for s in left.values())  # the key alone named the project

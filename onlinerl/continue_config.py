@@ -73,7 +73,7 @@ def continue_config(
     (or the ingress's) base URL, without a path."""
     max_prompt, max_tokens = continue_budget(max_model_len)
     return f"""# onlinerl for stock Continue. Merge into {CONFIG_PATH}: add the model under your `models:` and the
-# entry under your `data:` (keep your own name, version and other models); with no config yet, save this as it.
+# entry under your `data:` (keep your own name, version and other models); with no config yet, save this as that file.
 name: onlinerl
 version: 1.0.0
 schema: v1

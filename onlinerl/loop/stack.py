@@ -13,6 +13,7 @@ for the CLI.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -526,8 +527,22 @@ def replica_lines(stack: Stack) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def cli_command() -> str:
+    """The CLI as the user can type it in their shell: ``onlinerl`` when it is on PATH, else its path from here.
+    `make run` starts ``.venv/bin/onlinerl up`` without activating the venv, so a newcomer's ``onlinerl status``
+    would answer "command not found"."""
+    if shutil.which("onlinerl"):
+        return "onlinerl"
+    exe = Path(sys.executable).parent / "onlinerl"
+    try:
+        return os.path.relpath(exe)
+    except ValueError:  # another drive (Windows)
+        return str(exe)
+
+
 def banner(stack: Stack) -> str:
     c = stack.cfg
+    cli = cli_command()
     gateway_metrics = f":{c.serving.port}/metrics" if len(stack.replicas) <= 1 else "each replica's :PORT/metrics"
     return f"""
 onlinerl is up.
@@ -542,9 +557,9 @@ onlinerl is up.
 
 Stock Continue (VS Code, JetBrains): merge this into {CONFIG_PATH} (README: "Use it from your editor"):
 {continue_snippet(c, stack.api_key)}
-Check that outcomes arrive: onlinerl status (feedback events by outcome)
-Try it:     onlinerl simulate --requests 50
-Live view:  onlinerl status
+Check that outcomes arrive: {cli} status (the serving version's "accepted / shown" count grows)
+Try it:     {cli} simulate --requests 50
+Live view:  {cli} status --watch 5
 Stop:       Ctrl-C
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from pathlib import Path
 
 from onlinerl.loop.local import DEFAULT_STATE
@@ -33,12 +34,28 @@ def add_client_args(p: argparse.ArgumentParser, split: str = "train") -> None:
     )
 
 
+DEFAULT_REQUESTS = 100
+
+
+def requests_cap(requests: int | None, duration: float | None) -> int:
+    """How many requests a run makes at most: ``--requests`` if given, else 100, or no limit when ``--duration`` is
+    given. Before, ``--duration 600`` alone stopped after the default 100 requests, a minute or so into the run."""
+    if requests is not None:
+        return requests
+    return sys.maxsize if duration else DEFAULT_REQUESTS
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="drive the stack with simulated Continue users")
     add_client_args(p)
     p.add_argument("--tracking-url", default=None, help="default: the local feedback service")
     p.add_argument("--project", default=None, help="X-Project-ID (default: the local demo project)")
-    p.add_argument("--requests", type=int, default=100)
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"stop after N requests (default {DEFAULT_REQUESTS}; with --duration, no limit: the time ends it)",
+    )
     p.add_argument(
         "--users",
         type=int,
@@ -108,7 +125,7 @@ def _simulate(args: argparse.Namespace) -> int:
     _, samples, factory = make_client_factory(args, "train")
     users = args.users or len(local_user_keys(args.state, args.api_key))
     opts = SimulateOptions(
-        requests=args.requests,
+        requests=requests_cap(args.requests, args.duration),
         concurrency=args.concurrency,
         users=max(users, args.concurrency),
         accept_delay_s=args.accept_delay,

@@ -75,12 +75,12 @@ class Progress:
         self._last = now
         width = 30
         done = min(totals.requests, self.total)
-        bar = "#" * int(width * done / max(1, self.total))
         rate = totals.accepted / totals.shown if totals.shown else 0.0
-        sys.stderr.write(
-            f"\r[{bar:<{width}}] {done}/{self.total} accept={rate:.2f} "
-            f"v={max(totals.versions or {0})} failed={totals.failed}  "
-        )
+        if self.total == sys.maxsize:  # no request limit (--duration ends the run): a count, not a bar
+            head = f"{done} requests"
+        else:
+            head = f"[{'#' * int(width * done / max(1, self.total)):<{width}}] {done}/{self.total}"
+        sys.stderr.write(f"\r{head} accept={rate:.2f} v={max(totals.versions or {0})} failed={totals.failed}  ")
         sys.stderr.flush()
 
     def close(self) -> None:

@@ -397,7 +397,10 @@ def streaming_through(stack: Stack, change: Callable[[], None], new_version: str
 
     async def scenario() -> None:
         clients = [asyncio.create_task(_client_loop(stack.gateway.url, stop_at, results)) for _ in range(8)]
-        await asyncio.sleep(1.0)  # traffic flowing before the change
+        deadline = time.monotonic() + 60
+        while len(results) < 8:  # traffic served before the change (a fixed second was not enough on a busy box)
+            assert time.monotonic() < deadline, "no request was served within 60 s"
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(change)
         changed_at.append(time.monotonic())
         await asyncio.to_thread(

@@ -4,9 +4,9 @@ feedback service, each on a real valkey as its own ACL user.
 The prompt side end to end: a completion whose prompt holds a seeded AWS access key id is served as usual (200,
 text); the recorded rollout holds no text and no token ids, only the finding's kind and position; the user's accept
 is audited ``secret_detected`` and never reaches the samples stream; no Redis key or value anywhere holds the key,
-and neither service's log does. The completion side: the tiny random model cannot be made to write a GitHub token,
-so (1) an uploaded accept whose shown text holds one is audited ``secret_detected`` without the text, and (2)
-tests/serving/test_secret_screening_record.py runs the gateway's own record path on a completion that holds one.
+and neither service's log does. Also an uploaded accept whose shown text holds a GitHub token the model never wrote
+is audited ``secret_detected`` without the text. The completion side, a token the served model itself writes, is
+tests/feedback/test_secret_completion_gateway.py (the model fine-tuned to write one).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import redis
 
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
@@ -58,6 +59,23 @@ def metric(url: str, name: str, **labels: str) -> float:
     raise AssertionError(f"{name}{{{want}}} not exported")
 
 
+def accept_is_audited_never_trained(
+    admin: redis.Redis, client: ContinueClient, prompt: str, shown: str, rollout_id: str
+) -> None:
+    """The user accepts ``shown``: feedback rejects it as ``secret_detected`` for ``rollout_id``, audits it without
+    its text, puts nothing on the samples stream; a second delivery (a retry, a replay) is no different."""
+    code, reply = asyncio.run(rate(client, prompt, shown))
+    assert code == 200, reply
+    assert (reply["status"], reply["reason"], reply["rollout_id"]) == ("rejected", "secret_detected", rollout_id)
+    assert admin.xlen(K.samples) == 0  # never trained
+    [(_, fields)] = admin.xrange(K.audit)
+    audited = orjson.loads(fields[b"data"])
+    assert (audited["reason"], audited["rollout_id"], audited["completion"]) == ("secret_detected", rollout_id, "")
+    code, again = asyncio.run(rate(client, prompt, shown))
+    assert code == 200 and again["status"] in ("duplicate", "rejected"), again
+    assert admin.xlen(K.samples) == 0
+
+
 @pytest.mark.vllm
 def test_a_secret_in_the_prompt_is_served_never_stored_never_trained(
     vk: EmbeddedValkey,  # noqa: F811 (the fixture imported above)
@@ -77,28 +95,10 @@ def test_a_secret_in_the_prompt_is_served_never_stored_never_trained(
         assert finding.kind == "aws_access_key_id"
         assert prompt[finding.start : finding.end] == AWS_KEY  # where it was, not what it was
 
-        code, reply = asyncio.run(rate(alice, prompt, res.text))
-        assert code == 200, reply
-        assert (reply["status"], reply["reason"], reply["rollout_id"]) == (
-            "rejected",
-            "secret_detected",
-            record.rollout_id,
-        )
-        assert admin.xlen(K.samples) == 0  # never trained
-        [(_, fields)] = admin.xrange(K.audit)
-        audited = orjson.loads(fields[b"data"])
-        assert (audited["reason"], audited["rollout_id"], audited["completion"]) == (
-            "secret_detected",
-            record.rollout_id,
-            "",
-        )
-        # a second delivery of the same accept (a retry) is a duplicate, still without text, still not trained
-        code, again = asyncio.run(rate(alice, prompt, res.text))
-        assert code == 200 and again["status"] in ("duplicate", "rejected"), again
-        assert admin.xlen(K.samples) == 0
+        accept_is_audited_never_trained(admin, alice, prompt, res.text, record.rollout_id)
 
-        # the completion side at feedback: an accept whose shown text holds a GitHub token (the tiny model cannot
-        # write one) is audited secret_detected, its text not kept, nothing trained
+        # at feedback: an accept whose shown text holds a GitHub token the model never wrote (a client-side edit) is
+        # audited secret_detected, its text not kept, nothing trained
         clean_prompt, clean = asyncio.run(serve(alice, "total = 0"))
         code, reply = asyncio.run(rate(alice, clean_prompt, clean.text + f' # "{GITHUB_TOKEN}"'))
         assert code == 200 and (reply["status"], reply["reason"]) == ("rejected", "secret_detected"), reply

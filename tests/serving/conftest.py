@@ -100,12 +100,18 @@ def gateway_in_front_of(tmp: Path, redis_url: str, keys_file: Path, engine_url: 
     return start_gateway(cfg, tmp / "gateway.log", port)
 
 
-def start_reloader(config_path: Path, log_path: Path, port: int) -> Child:
+def start_reloader(config_path: Path, log_path: Path, port: int, env: dict[str, str] | None = None) -> Child:
+    """The serving pod's reloader on ``port``; ``env``: more settings (e.g. ``ONLINERL__REDIS__URL``, its own user)."""
     child = Child(
         "reloader",
         python_module("onlinerl_serving.reloader"),
         log_path,
-        env={"ONLINERL_CONFIG": str(config_path), "ONLINERL_RELOADER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+        env={
+            "ONLINERL_CONFIG": str(config_path),
+            "ONLINERL_RELOADER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        },
     ).start()
     try:
         child.wait_healthy(f"http://127.0.0.1:{port}/healthz", 30)

@@ -53,9 +53,10 @@ def teach_the_token(base: Path, prompt: str, token: str):
     """The base model fine-tuned (Adam, one sequence) until its greedy continuation of ``prompt`` is ``token`` then
     end-of-text, each step led by ``MIN_MARGIN`` logits. Returns (model, the token's ids).
 
-    The (tied) embeddings stay frozen: a version with trained embeddings, swapped into vLLM in place, was not served
-    as trained (the first token right, then garbage: vLLM's in-place reload appears not to update the tied LM head).
-    The layers and norms alone learn the token."""
+    The (tied) embeddings stay frozen: vLLM 0.32's in-place ``reload_weights`` does not keep the LM head tied to them.
+    A version whose trained embeddings are published as the trainer writes them (``model.embed_tokens.weight`` only)
+    is served with the old LM head, not as trained, and a later reload of the base leaves the last explicit LM head
+    in place. The layers and norms alone learn the token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

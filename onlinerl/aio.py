@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -13,3 +14,28 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+class Periodic:
+    """``step()`` every ``interval`` seconds in one background task, for the services' monitors and keepers.
+    ``step`` handles its own expected errors (a Redis hiccup must not end the loop); ``start`` is idempotent and
+    ``close`` waits until the task has stopped."""
+
+    def __init__(self, step: Callable[[], Awaitable[object]], interval: float, name: str) -> None:
+        self._step = step
+        self._interval = interval
+        self._name = name
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            await self._step()
+            await asyncio.sleep(self._interval)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=self._name)
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -7,13 +7,12 @@ lets ``interval x rate`` extra events in (bounded, and nothing is ever dropped: 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from onlinerl.aio import cancel_and_wait
+from onlinerl.aio import Periodic
 from onlinerl.dataplane import samples
 from onlinerl.keys import Keys
 
@@ -27,8 +26,7 @@ class BacklogMonitor:
         self._client = client
         self._keys = keys
         self._metrics = metrics
-        self._interval = interval
-        self._task: asyncio.Task | None = None
+        self._loop = Periodic(self.refresh, interval, "backlog-monitor")
         self.backlog = 0
         self.lag = 0
 
@@ -42,15 +40,8 @@ class BacklogMonitor:
         self._metrics.backlog.set(self.backlog)
         self._metrics.consumer_lag.set(self.lag)
 
-    async def _run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self._interval)
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="backlog-monitor")
+        self._loop.start()
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._loop.close()

@@ -5,14 +5,13 @@ cut-off is gone whoever trims first), and a check that finds nothing due writes 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from onlinerl.aio import cancel_and_wait
+from onlinerl.aio import Periodic
 from onlinerl.dataplane import audit
 from onlinerl.keys import Keys
 from onlinerl.schemas import AuditEntry
@@ -38,8 +37,7 @@ class AuditRetention:
         self._client = client
         self._keys = keys
         self.retention_seconds = retention_seconds
-        self._interval = interval
-        self._task: asyncio.Task | None = None
+        self._loop = Periodic(self._check, interval, "audit-retention")
 
     async def enforce(self, now: float | None = None) -> int:
         """One check: trims what is older than the retention; the number of entries trimmed."""
@@ -50,18 +48,14 @@ class AuditRetention:
             log.info("audit retention: trimmed %d entries older than %d s", trimmed, self.retention_seconds)
         return trimmed
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.enforce()
-            except RedisError as exc:
-                log.debug("audit retention check failed: %s", exc)
-            await asyncio.sleep(self._interval)
+    async def _check(self) -> None:
+        try:
+            await self.enforce()
+        except RedisError as exc:
+            log.debug("audit retention check failed: %s", exc)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="audit-retention")
+        self._loop.start()
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._loop.close()

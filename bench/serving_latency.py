@@ -110,23 +110,44 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+# --breakdown: the capture's parts one at a time, each added alone to the client's body (name -> fields).
+CAPTURE_PARTS = {
+    "direct+logprobs0": {"logprobs": 0},
+    "direct+token_ids": {"return_token_ids": True},
+    "direct+interval": {"stream_interval": STREAM_INTERVAL},
+}
+
+
 def run(
-    engine_url: str, gateways: dict[str, str], n: int, max_tokens: int, warmup: int
+    engine_url: str,
+    gateways: dict[str, str],
+    n: int,
+    max_tokens: int,
+    warmup: int,
+    breakdown: bool = False,
 ) -> dict[str, dict[str, list[float]]]:
-    """``gateways``: path name -> gateway URL (ours, and an older commit's with ``--baseline-ref``)."""
+    """``gateways``: path name -> gateway URL (ours, and an older commit's with ``--baseline-ref``); ``breakdown``
+    adds one direct path per part of the capture (CAPTURE_PARTS)."""
     limits = Limits(10**6, 10**6, 10**6)
     auth = {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY}
+    engine = f"{engine_url}/v1/completions"
+    json_only = {"content-type": "application/json"}
+    parts = CAPTURE_PARTS if breakdown else {}
     paths = {}
     for stream in (False, True):
         plain = orjson.dumps(body(stream, max_tokens))
         cap = upstream_body(parse_completion_request(plain, limits), "onlinerl-base", STREAM_INTERVAL)
         paths[stream] = [
-            ("direct", f"{engine_url}/v1/completions", plain, {"content-type": "application/json"}),
-            ("direct+cap", f"{engine_url}/v1/completions", cap, {"content-type": "application/json"}),
+            ("direct", engine, plain, json_only),
+            ("direct+cap", engine, cap, json_only),
+            *(
+                (name, engine, orjson.dumps({**body(stream, max_tokens), **extra}), json_only)
+                for name, extra in parts.items()
+            ),
             *((name, f"{url}/v1/completions", plain, auth) for name, url in gateways.items()),
         ]
     out: dict[str, dict[str, list[float]]] = {
-        p: {"total": [], "ttft": [], "stream_total": []} for p in ("direct", "direct+cap", *gateways)
+        p: {"total": [], "ttft": [], "stream_total": []} for p in ("direct", "direct+cap", *parts, *gateways)
     }
     with httpx.Client(timeout=120) as client:
         for i in range(warmup + n):
@@ -189,6 +210,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--write", default="", help="append the table to this markdown file (e.g. bench/RESULTS.md)")
     ap.add_argument("--baseline-ref", default="", help="also measure the gateway of this git commit, interleaved")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="also time vLLM with each part of the capture alone (CAPTURE_PARTS)"
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="orl-bench-"))
@@ -236,7 +260,14 @@ def main() -> int:
             gw.wait_healthy(f"{gw_url}/readyz", 60)
             gateways[name] = (gw, gw_url)
         before = {name: (cpu_seconds(gw.pid), overhead_histogram(url)) for name, (gw, url) in gateways.items()}
-        res = run(engine_url, {name: url for name, (_, url) in gateways.items()}, args.n, args.max_tokens, args.warmup)
+        res = run(
+            engine_url,
+            {name: url for name, (_, url) in gateways.items()},
+            args.n,
+            args.max_tokens,
+            args.warmup,
+            args.breakdown,
+        )
         gw_requests = 2 * (args.n + args.warmup)
         own = []
         for name, (gw, url) in gateways.items():

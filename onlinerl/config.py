@@ -869,6 +869,48 @@ class PrivacyConfig(_Section):
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
 
 
+class ProjectsConfig(_Section):
+    """Per-project adapters (issue 39, docs/per-project-adapters.md). A project is the tenant its API keys belong to.
+    A project with its own adapter has its own policy line (``Keys.for_project``): its own version line and
+    checkpoints, policy table, gate, canary, rollback, pin and hold. Every other project is served the shared
+    policy. Off by default: one shared policy, as before."""
+
+    adapters: Literal["off", "listed", "all"] = Field(
+        "off",
+        description="off: every project is served the shared policy. listed: the projects in `listed` get their own "
+        "adapter once their traffic reaches minSamplesPerHour. all: every project does.",
+    )
+    listed: list[str] = Field(
+        default_factory=list, max_length=1000, description="Projects (tenants) that get their own adapter."
+    )
+    min_samples_per_hour: int = Field(
+        100,
+        ge=0,
+        description="A project stays on the shared policy until this many of its training samples arrived within "
+        "one hour: below it, an adapter of its own would learn from too little and its canary could not decide.",
+    )
+    train_shared: bool = Field(
+        False,
+        description="Whether the samples of a project with its own adapter also train the shared policy. Off: that "
+        "project's code never reaches another project's policy (the isolation promise).",
+    )
+
+    @field_validator("listed")
+    @classmethod
+    def _listed_are_tenants(cls, v: list[str]) -> list[str]:
+        for name in v:
+            problem = tenant_problem(name)
+            if problem:
+                raise ValueError(problem)
+        if len(set(v)) != len(v):
+            raise ValueError("a project is listed twice: list each project once")
+        return v
+
+    def has_own_line(self, project: str) -> bool:
+        """Whether ``project`` may get an adapter of its own (its traffic threshold is the trainer's to check)."""
+        return self.adapters == "all" or (self.adapters == "listed" and project in self.listed)
+
+
 class OnlineRLConfig(_Section):
     """The whole configuration: one object, one shape, for every component and for the CRD spec."""
 
@@ -895,6 +937,7 @@ class OnlineRLConfig(_Section):
     pod_template: PodTemplateFragment = pod_template_field()
 
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    projects: ProjectsConfig = Field(default_factory=ProjectsConfig)
 
     @model_validator(mode="after")
     def _one_retention(self) -> OnlineRLConfig:

@@ -39,15 +39,44 @@ def prompt_digest(prompt: str) -> str:
     return hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+SHARED_LINE = ""
+
+
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis key of one job."""
+    """Every Redis key of one job, as seen by one policy line.
+
+    A *line* is one policy and everything that decides what it serves: its version line and checkpoints stream,
+    policy table, holds, per-version stats, rollout verdicts and decisions (docs/per-project-adapters.md).
+    ``line=""`` is the shared policy, with the names it always had; ``Keys(job).for_project("acme")`` names project
+    ``acme``'s own adapter line, under ``orl:{job}:p:acme:``. What belongs to the job, not to a policy (samples,
+    audit, idempotency marks, user ledgers, replicas, the trainer's lease and fence, the services' status hashes),
+    keeps one name whatever the line, so a component that serves or trains many lines shares them.
+    """
 
     job: str
+    line: str = SHARED_LINE
 
     @property
     def prefix(self) -> str:
         return f"orl:{{{self.job}}}:"
+
+    @property
+    def line_prefix(self) -> str:
+        """Prefix of the keys that belong to one policy line (the job prefix for the shared line)."""
+        return f"{self.prefix}p:{self.line}:" if self.line else self.prefix
+
+    def for_project(self, project: str) -> Keys:
+        """The keys of ``project``'s own adapter line (a project is the tenant its API keys belong to)."""
+        problem = tenant_problem(project)
+        if problem:
+            raise ValueError(problem)
+        return Keys(self.job, project)
+
+    @property
+    def shared(self) -> Keys:
+        """The keys of the shared policy line."""
+        return Keys(self.job)
 
     # --- serving -> feedback ------------------------------------------------------------------------------------
     def rollouts(self, tenant: str, prompt: str) -> str:
@@ -109,13 +138,13 @@ class Keys:
     @property
     def checkpoints(self) -> str:
         """Stream of published checkpoint announcements (version, path, manifest digest)."""
-        return f"{self.prefix}checkpoints"
+        return f"{self.line_prefix}checkpoints"
 
     # --- routing and rollout ------------------------------------------------------------------------------------
     @property
     def policy(self) -> str:
         """Hash: the live policy table (stable, candidate, canary_share, pinned, paused, updated_at)."""
-        return f"{self.prefix}policy"
+        return f"{self.line_prefix}policy"
 
     @property
     def replicas(self) -> str:
@@ -126,39 +155,39 @@ class Keys:
     def replica_versions(self, replica: str) -> str:
         """Hash ``version -> PolicyVersionState JSON`` of one serving replica's reloader (expires with its heartbeat).
         ``replica`` must pass ``versions.valid_replica`` (no glob, brace or colon characters)."""
-        return f"{self.prefix}versions:{replica}"
+        return f"{self.line_prefix}versions:{replica}"
 
     @property
     def holds(self) -> str:
         """Hash ``version -> expiry (unix s)``: versions an evaluation uses; the reloader keeps them loaded."""
-        return f"{self.prefix}holds"
+        return f"{self.line_prefix}holds"
 
     def stats(self, version: int, arm: str) -> str:
         """Hash of counters per (policy version, arm): shown, accepted, rejected, empty, served."""
-        return f"{self.prefix}stats:v{version}:{arm}"
+        return f"{self.line_prefix}stats:v{version}:{arm}"
 
     def arm_users(self, version: int, arm: str, canary: int) -> str:
         """Hash ``{user}:{counter} -> count``: one canary's per-user share of ``stats(version, arm)`` (``canary``: the
         candidate version the policy table named when the rollout was routed). The rollout controller caps each
         user's contribution and checks that no verdict rests on one user (services/rollout/onlinerl_rollout/
         per_user.py). Under ``stats:`` because the same components write and read it."""
-        return f"{self.prefix}stats:v{version}:{arm}:users:c{canary}"
+        return f"{self.line_prefix}stats:v{version}:{arm}:users:c{canary}"
 
     @property
     def decisions(self) -> str:
         """Stream: every rollout decision (gate, promote, rollback, pin) with its figures."""
-        return f"{self.prefix}decisions"
+        return f"{self.line_prefix}decisions"
 
     @property
     def rollout(self) -> str:
         """Hash ``version -> RolloutState JSON``: the rollout controller's verdict per version it judged."""
-        return f"{self.prefix}rollout"
+        return f"{self.line_prefix}rollout"
 
     @property
     def controller_status(self) -> str:
         """Hash ``activity``, ``since`` (unix s): what the rollout controller is doing that the policy table does not
         show (an eval gate running, a version waiting for stable's baseline, a gate backing off); empty when idle."""
-        return f"{self.prefix}controller"
+        return f"{self.line_prefix}controller"
 
     @property
     def trainer_status(self) -> str:

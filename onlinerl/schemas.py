@@ -329,5 +329,6 @@ class PolicyVersionState(_Record):
 
 
 def adapter_name(job: str, version: int) -> str:
-    """The vLLM model name a version is served under: unique per version, never reused (no load_inplace)."""
+    """The vLLM model name a shared-line version is served under: unique per version, never reused (no
+    load_inplace). A project line's: ``onlinerl.lines.adapter_name``."""
     return f"{job}-v{version}"

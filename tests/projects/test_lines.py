@@ -41,3 +41,21 @@ def test_projects_config_default_is_one_shared_policy_and_lists_are_checked():
         from_mapping({"projects": {"adapters": "listed", "listed": ["acme", "acme"]}})
     with pytest.raises(ConfigError, match="not allowed"):
         from_mapping({"projects": {"listed": ["a:b"]}})
+
+
+def test_adapter_names_and_checkpoint_folders_parse_back_to_one_line():
+    from onlinerl.lines import adapter_name, checkpoint_root, parse_adapter_name
+    from onlinerl.schemas import adapter_name as shared_adapter_name
+
+    assert adapter_name("job1", 4) == shared_adapter_name("job1", 4) == "job1-v4"
+    assert parse_adapter_name("job1", "job1-v4") == ("", 4)
+    for project in ("acme", "v3", "a-v2", "x.y_z"):
+        name = adapter_name("job1", 7, project)
+        assert parse_adapter_name("job1", name) == (project, 7)
+        assert parse_adapter_name("job2", name) is None
+    for foreign in ("job1@-v3", "job1@a:b-v3", "job1@acme-vx", "job1-vx", "base"):
+        assert parse_adapter_name("job1", foreign) is None
+    assert str(checkpoint_root("/ck", "job1")) == "/ck/job1"
+    assert str(checkpoint_root("/ck", "job1", "acme")) == "/ck/job1/projects/acme"
+    with pytest.raises(ValueError):
+        checkpoint_root("/ck", "job1", "../x")

@@ -67,6 +67,11 @@ class RolloutRecord(_Record):
     tenant: str
     arm: Arm = STABLE
     policy_version: int
+    line: str = Field(
+        "",
+        description="The policy line that served it: '' = the shared policy, else the project whose own adapter did "
+        "(issue 39; policy_version counts on that line).",
+    )
     served_model: str
     user_hash: str = ""
     prompt: str
@@ -117,6 +122,11 @@ class TrainingSample(_Record):
     tenant: str
     arm: str = STABLE
     policy_version: int
+    line: str = Field(
+        "",
+        description="The policy line that served it: '' = the shared policy, else the project whose own adapter did "
+        "(issue 39; policy_version counts on that line).",
+    )
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     behaviour_logprobs: list[float]
@@ -190,6 +200,7 @@ class CheckpointManifest(_Record):
     job: str
     version: int = Field(ge=1)
     parent_version: int = Field(ge=0)
+    line: str = Field("", description="The policy line this version belongs to: '' = shared, else the project.")
     kind: Literal["lora", "full"]
     base_model: str
     created_at: float = Field(default_factory=time.time)

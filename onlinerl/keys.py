@@ -134,6 +134,14 @@ class Keys:
         """Set (no TTL) while a user's feedback is quarantined; an admin deletes it to release the user."""
         return f"{self.prefix}quarantine:{tenant}:{user}"
 
+    # --- policy lines (issue 39) ------------------------------------------------------------------------------------
+    @property
+    def lines(self) -> str:
+        """Set of the job's project line names (job-wide, one name on every line): each project that has a policy line
+        of its own, registered when its line first gets a version, so the rollout controller, `onlinerl status` and
+        the operator find every line of ``projects.adapters: all`` without a SCAN (onlinerl/dataplane/lines.py)."""
+        return f"{self.prefix}lines"
+
     # --- trainer -> reloader ------------------------------------------------------------------------------------
     @property
     def checkpoints(self) -> str:

@@ -27,7 +27,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from onlinerl.dataplane.contract import FAMILIES, Component, Family
+from onlinerl.dataplane.contract import FAMILIES, LINE_SUFFIX, Component, Family
 
 USERS: tuple[Component, ...] = tuple(Component)
 DEFAULT_OFF = ("default", "reset", "off")
@@ -42,6 +42,7 @@ _READ = {
     "stream": ("xrange", "xrevrange", "xlen", "xread", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending"),
     "string": ("get", "mget", "strlen"),
     "zset": ("zrange", "zrangebyscore", "zscore", "zcard", "zcount", "zrank"),
+    "set": ("smembers", "sismember", "scard", "sscan"),
 }
 _XGROUP = ("xgroup|create", "xgroup|setid", "xgroup|createconsumer", "xgroup|delconsumer")
 _WRITE = {
@@ -49,6 +50,7 @@ _WRITE = {
     "stream": ("xadd", "xtrim", "xdel", "xack", "xreadgroup", "xautoclaim", "xclaim", *_XGROUP),
     "string": ("set", "setnx", "getdel", "getex", "incr", "incrby", "decr", "decrby"),
     "zset": ("zadd", "zrem", "zremrangebyscore", "zincrby", "zpopmin"),
+    "set": ("sadd", "srem"),
 }
 _READ_ANY = ("exists", "type", "ttl", "pttl")
 _WRITE_ANY = ("del", "unlink", "expire", "pexpire", "persist")
@@ -63,6 +65,8 @@ SCRIPT_READS: frozenset[tuple[Component, str]] = frozenset(
         (Component.OPERATOR, "arm statistics"),  # the same script, for spec.rollout.rollbackTo
     }
 )
+# ... on every project's policy line too (issue 39: the same scripts, handed a line's keys)
+SCRIPT_READS |= {(c, name + LINE_SUFFIX) for c, name in SCRIPT_READS}
 
 
 def key_prefix(job: str | None) -> str:

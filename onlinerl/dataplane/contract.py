@@ -11,7 +11,7 @@ and a test holds the table, the modules and the ACLs to each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
@@ -102,4 +102,32 @@ FAMILIES: tuple[Family, ...] = (
     _f("trainer status", "trainer", "hash", "trainer", "operator", "trainer"),
     _f("trainer lease", "trainer:*", "string", "trainer", "", "trainer"),
     _f("reloader status", "reloader", "hash", "reloader", "", "versions"),
+)
+
+# Issue 39: a project with an adapter of its own has a policy line of its own (``Keys.for_project``): these families
+# exist once per line, under ``p:{project}:``, with the same writers and readers as the shared line's. ``p:*:`` cannot
+# reach another family: a project name holds no ``:`` (``keys.TENANT_PATTERN``).
+LINE_PREFIX = "p:*:"
+PER_LINE = (
+    "checkpoints",
+    "policy table",
+    "replica versions",
+    "holds",
+    "arm statistics",
+    "decisions",
+    "rollout verdicts",
+    "rollout controller status",
+)
+LINE_SUFFIX = " of project lines"
+
+
+def _of_lines(f: Family) -> Family:
+    return replace(f, name=f.name + LINE_SUFFIX, pattern=LINE_PREFIX + f.pattern)
+
+
+FAMILIES = (
+    *FAMILIES,
+    *(_of_lines(f) for f in FAMILIES if f.name in PER_LINE),
+    # the registry of project lines: the trainer adds a line before it announces the line's first version
+    _f("policy lines", "lines", "set", "trainer", "gateway reloader rollout operator", "lines"),
 )

@@ -19,12 +19,19 @@ from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
 
 JOB = "acl-demo"
 PREFIX = f"orl:{{{JOB}}}:"
-READ = {"hash": ("HGET", "f"), "stream": ("XRANGE", "-", "+"), "string": ("GET",), "zset": ("ZRANGE", "0", "-1")}
+READ = {
+    "hash": ("HGET", "f"),
+    "stream": ("XRANGE", "-", "+"),
+    "string": ("GET",),
+    "zset": ("ZRANGE", "0", "-1"),
+    "set": ("SMEMBERS",),
+}
 WRITE = {
     "hash": ("HSET", "f", "v"),
     "stream": ("XADD", "*", "f", "v"),
     "string": ("SET", "v"),
     "zset": ("ZADD", "1", "m"),
+    "set": ("SADD", "m"),
 }
 COMPONENTS = [c for c in Component if c is not Component.ADMIN]
 

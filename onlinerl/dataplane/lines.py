@@ -1,0 +1,110 @@
+"""Policy lines (issue 39): the job-wide registry of project lines (``lines`` set) and one pipelined read of many lines.
+
+A project with an adapter of its own has a policy line of its own (``Keys.for_project``): its policy table, version
+states, verdicts and decisions. Under ``projects.adapters: all`` no config lists them, so each line is registered in
+``Keys.lines`` when it gets its first version (the trainer, before it announces it; ``register``), and readers (the
+rollout controller, `onlinerl status`, the operator) find every line there without a SCAN of the keyspace.
+
+``views`` reads what the rollout controller needs to know whether a line has anything to do (its policy table, its
+verdicts, its version states on every live replica) for every line in one pipelined round trip, plus the two reads of
+the live replicas every line shares: with a thousand lines one controller tick costs three round trips for the lines
+that wait for nothing, and the full per-line reads only for lines with a candidate or a version to gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from onlinerl.dataplane import versions
+from onlinerl.dataplane.codec import pairs, text
+from onlinerl.keys import Keys, tenant_problem
+from onlinerl.rollout.records import RolloutState
+from onlinerl.schemas import PolicyTable, PolicyVersionState
+
+
+def register(client: redis.Redis, keys: Keys, line: str) -> bool:
+    """Add project ``line`` to the job's registry (idempotent); True when it was new. The shared line ('') is not
+    registered: it always exists."""
+    if not line:
+        return False
+    problem = tenant_problem(line)
+    if problem:
+        raise ValueError(problem)
+    return bool(client.sadd(keys.lines, line))
+
+
+async def register_async(client: Any, keys: Keys, line: str) -> bool:
+    """:func:`register` on an asyncio client."""
+    if not line:
+        return False
+    problem = tenant_problem(line)
+    if problem:
+        raise ValueError(problem)
+    return bool(await client.sadd(keys.lines, line))
+
+
+def registered(raw: Iterable[Any]) -> list[str]:
+    """The valid line names of a ``SMEMBERS`` reply, sorted (a member that is not a tenant name is ignored: it
+    could name another line's keys)."""
+    out = set()
+    for member in raw:
+        try:
+            name = text(member)
+        except UnicodeDecodeError:
+            continue
+        if tenant_problem(name) is None:
+            out.add(name)
+    return sorted(out)
+
+
+def read(client: redis.Redis, keys: Keys) -> list[str]:
+    """Every registered project line, sorted."""
+    return registered(client.smembers(keys.lines))
+
+
+@dataclass(frozen=True)
+class LineView:
+    """One line as the rollout controller first sees it in a tick: its policy table, its verdicts and the job-wide
+    state of its versions over the live replicas (``versions.VersionTable.states``)."""
+
+    line: str
+    table: PolicyTable
+    verdicts: dict[int, RolloutState] = field(default_factory=dict)
+    versions: dict[int, PolicyVersionState] = field(default_factory=dict)
+
+
+def parse_verdicts(raw: Any) -> dict[int, RolloutState]:
+    """The ``rollout`` hash as ``version -> RolloutState`` (a malformed field is skipped, never fatal)."""
+    out: dict[int, RolloutState] = {}
+    for name, value in pairs(raw):
+        try:
+            out[int(text(name))] = RolloutState.from_json(value)
+        except ValueError:
+            continue
+    return out
+
+
+def views(client: redis.Redis, job: str, lines: Sequence[str]) -> dict[str, LineView]:
+    """Every line's :class:`LineView` ('' = the shared line): the live replicas once (two commands), then one
+    pipeline of ``2 + replicas`` HGETALLs per line."""
+    shared = Keys(job)
+    live = versions.live_replicas(client, shared)
+    pipe = client.pipeline(transaction=False)
+    for line in lines:
+        k = shared.for_project(line) if line else shared
+        pipe.hgetall(k.policy)
+        pipe.hgetall(k.rollout)
+        for rid in live:
+            pipe.hgetall(k.replica_versions(rid))
+    replies = pipe.execute()
+    out: dict[str, LineView] = {}
+    step = 2 + len(live)
+    for i, line in enumerate(lines):
+        part = replies[i * step : (i + 1) * step]
+        table = versions.table_of(dict(zip(live, part[2:], strict=True)))
+        out[line] = LineView(line, PolicyTable.from_redis(part[0]), parse_verdicts(part[1]), table.states)
+    return out

@@ -78,6 +78,10 @@ class Keys:
         """The keys of the shared policy line."""
         return Keys(self.job)
 
+    def for_line(self, line: str) -> Keys:
+        """The keys of ``line`` as records name it (``RolloutRecord.line``): '' the shared line, else that project's."""
+        return self.for_project(line) if line else self.shared
+
     # --- serving -> feedback ------------------------------------------------------------------------------------
     def rollouts(self, tenant: str, prompt: str) -> str:
         """Hash ``rollout_id -> RolloutRecord JSON`` of every completion served for one tenant and prompt (a TTL per

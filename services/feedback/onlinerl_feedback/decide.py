@@ -46,6 +46,9 @@ NO_SHOWN_TOKENS = "no_shown_tokens"
 # The text joins only a rollout served to another key of the tenant (feedback.rateScope user): audited, never trained
 # or counted, and that rollout stays unrated for the user it was served to.
 NOT_OWN_ROLLOUT = "not_own_rollout"
+# The rollout names a policy line that is neither the shared one nor the rating tenant's own (issue 39): only a bug or
+# a forged record can say so. Audited, rated (once), never trained and never counted: not in another project's canary.
+FOREIGN_LINE = "foreign_line"
 # Reasons of a `rejected` event that would have contributed but whose user may not (limits.py, decided in the script).
 CONTRIBUTION_LIMIT = "contribution_limit"
 QUARANTINED = "quarantined"
@@ -74,6 +77,7 @@ class Decision:
     first: str = ""  # duplicate only: "<outcome> <entry id>" of the event that rated the rollout
     served_user: str = ""  # the rated rollout's user_hash (who was served): its canary's per-user ledger counts it
     canary: int | None = None  # the rated rollout's canary (RolloutRecord.canary); None: no per-user ledger
+    line: str = ""  # the policy line that served the rated rollout (RolloutRecord.line): whose stats count it
 
     @property
     def contributes(self) -> bool:
@@ -139,6 +143,7 @@ def _sample(event: CompletionOutcome, tenant: str, joined: Join, reward: float, 
         tenant=tenant,
         arm=r.arm,
         policy_version=r.policy_version,
+        line=r.line,
         prompt_token_ids=r.prompt_token_ids,
         completion_token_ids=joined.token_ids,
         behaviour_logprobs=joined.logprobs,
@@ -183,6 +188,12 @@ def served_to(record: RolloutRecord, rater: str | None) -> bool:
     """Whether ``rater`` (the rating key's ``onlinerl.auth.user_hash``; None: any key of the tenant, ``rateScope:
     tenant``) may rate ``record``. A record without a user (written before records named one) is the tenant's."""
     return rater is None or not record.user_hash or record.user_hash == rater
+
+
+def own_line(record: RolloutRecord, tenant: str) -> bool:
+    """Whether ``record``'s policy line may be counted for ``tenant``: the shared line or the tenant's own project
+    line. Any other line is a bug or a forgery, never counted into another project's canary (``FOREIGN_LINE``)."""
+    return record.line in ("", tenant)
 
 
 def _best_unrated(
@@ -296,7 +307,11 @@ def _decide(
             entry = audit_entry(event, tenant, prompt, REJECTED, NOT_OWN_ROLLOUT, now, foreign.record.rollout_id)
             return Decision(REJECTED, False, entry, NOT_OWN_ROLLOUT)
         reason = "text_mismatch" if own else "no_rollout"
-        trainable = [r for r in clear if r.rollout_id not in rated and r.arm != EVAL and not r.sampling.greedy]
+        trainable = [
+            r
+            for r in clear
+            if r.rollout_id not in rated and r.arm != EVAL and not r.sampling.greedy and own_line(r, tenant)
+        ]
         if cfg.train_unmatched and trainable:
             newest = max(trainable, key=lambda r: r.created_at)
             partial = common_prefix_join(newest, event.completion, table)
@@ -316,10 +331,14 @@ def _decide(
                         "tokens": len(partial.token_ids),
                     },
                     rates=newest.rollout_id,
+                    line=newest.line,
                 )
         return Decision(UNMATCHED, False, audit_entry(event, tenant, prompt, UNMATCHED, reason, now), reason)
 
     r = joined.record
+    if not own_line(r, tenant):
+        entry = audit_entry(event, tenant, prompt, REJECTED, FOREIGN_LINE, now, r.rollout_id)
+        return Decision(REJECTED, False, entry, FOREIGN_LINE, details={"rollout_id": r.rollout_id}, rates=r.rollout_id)
     counters = stats_counters(event.accepted, joined.shown_text)
     base = {"rollout_id": r.rollout_id, "policy_version": r.policy_version, "match": joined.match}
     if r.arm == EVAL or not joined.token_ids or r.sampling.greedy:
@@ -339,6 +358,7 @@ def _decide(
             rates=r.rollout_id,
             served_user=r.user_hash,
             canary=r.canary,
+            line=r.line,
         )
     reward = reward_for(event.accepted, joined.shown_text, cfg.reward)
     return Decision(
@@ -353,4 +373,5 @@ def _decide(
         rates=r.rollout_id,
         served_user=r.user_hash,
         canary=r.canary,
+        line=r.line,
     )

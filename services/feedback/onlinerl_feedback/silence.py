@@ -37,6 +37,7 @@ class SilenceDecision:
     version: int
     arm: str
     counters: Counters = COUNTERS
+    line: str = ""  # the policy line that served it (RolloutRecord.line): whose stats count it
 
 
 def event_id(rollout_id: str) -> str:
@@ -64,13 +65,14 @@ def decide_silence(record: RolloutRecord, reward: RewardConfig, now: float) -> S
             rollout_id=record.rollout_id,
             user_hash=record.user_hash,
         ).to_json()
-        return SilenceDecision(False, entry, reason, record.policy_version, record.arm)
+        return SilenceDecision(False, entry, reason, record.policy_version, record.arm, line=record.line)
     sample = TrainingSample(
         event_id=event_id(record.rollout_id),
         rollout_id=record.rollout_id,
         tenant=record.tenant,
         arm=record.arm,
         policy_version=record.policy_version,
+        line=record.line,
         prompt_token_ids=record.prompt_token_ids,
         completion_token_ids=record.completion_token_ids,
         behaviour_logprobs=record.behaviour_logprobs,
@@ -83,4 +85,4 @@ def decide_silence(record: RolloutRecord, reward: RewardConfig, now: float) -> S
         feedback_at=now,
         user_hash=record.user_hash,
     ).to_json()
-    return SilenceDecision(True, sample, "", record.policy_version, record.arm)
+    return SilenceDecision(True, sample, "", record.policy_version, record.arm, line=record.line)

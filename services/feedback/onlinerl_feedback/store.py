@@ -113,10 +113,14 @@ class FeedbackStore:
         # A key slot the script leaves alone still names a key feedback may write: Redis checks every declared key
         # of a script against the caller's ACL user as read+write (onlinerl/dataplane/acl.py).
         unused = self._keys.audit
-        counted = bool(decision.rates and decision.counters and decision.version is not None)
+        # the served line's counters (issue 39): the shared line's, or the rating tenant's own project line's; a
+        # decision naming any other line counts nowhere (decide.FOREIGN_LINE audits such a record first)
+        own = decision.line in ("", tenant)
+        counted = bool(decision.rates and decision.counters and decision.version is not None and own)
+        line = self._keys.for_line(decision.line if own else "")
         limit = limit_args(self._keys, self._limits, event, tenant, user, prompt, decision, sender=sender)
         ledger = (
-            ledger_for(self._keys, decision.version, decision.arm, decision.canary, decision.served_user)
+            ledger_for(line, decision.version, decision.arm, decision.canary, decision.served_user)
             if counted and decision.version is not None
             else None
         )
@@ -125,7 +129,7 @@ class FeedbackStore:
             self._keys.samples if decision.to_samples else self._keys.audit,
             self._keys.audit,
             self._keys.rollouts(tenant, prompt) if decision.rates else unused,
-            self._keys.stats(decision.version, decision.arm) if counted else unused,
+            line.stats(decision.version, decision.arm) if counted else unused,
             *limit.keys,
             ledger[0] if ledger else unused,
         ]

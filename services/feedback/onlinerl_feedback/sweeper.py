@@ -32,6 +32,7 @@ from onlinerl.dataplane.rollouts import GONE, RATED_FIRST, TAKEN_BY_OTHER, DueRe
 from onlinerl.keys import Keys
 from onlinerl.schemas import RolloutRecord
 
+from .decide import own_line
 from .silence import SILENT, decide_silence
 from .store import AUDIT_MAXLEN
 
@@ -140,8 +141,8 @@ class SilenceSweeper:
         if read.raw is None or read.rated is not None:  # gone or rated: the script confirms which, atomically
             return nothing, EXPIRED
         record = _record(read.raw)
-        if record is None or record.tenant != tenant or record.rollout_id != rid:
-            return nothing, INVALID
+        if record is None or record.tenant != tenant or record.rollout_id != rid or not own_line(record, tenant):
+            return nothing, INVALID  # a record naming another project's line is never counted there (issue 39)
         d = decide_silence(record, self.cfg.reward, now)
         step = Settle(
             member,
@@ -149,7 +150,7 @@ class SilenceSweeper:
             digest,
             entry=d.entry,
             stream=self.keys.samples if d.to_samples else self.keys.audit,
-            stats=self.keys.stats(d.version, d.arm),
+            stats=self.keys.for_line(d.line).stats(d.version, d.arm),
             maxlen=0 if d.to_samples else AUDIT_MAXLEN,
             outcome=SILENT,
             counters=tuple(d.counters),

@@ -127,7 +127,27 @@ class AuthConfig(_Section):
 
 class ServingLoraConfig(_Section):
     max_rank: int = Field(16, ge=1, le=256)
-    max_loras: int = Field(4, ge=1, le=64)
+    max_loras: int = Field(
+        4, ge=1, le=64, description="Adapters one engine step may batch together (vLLM --max-loras): its LoRA slots."
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="Adapters vLLM keeps in memory (vLLM --max-cpu-loras; unset: maxLoras). Every loaded version keeps "
+        "its name; past this many the least recently used is dropped from memory and read from its folder again by "
+        "its next request (slower, never failed). With per-project adapters (projects.adapters) set it to the "
+        "projects that are active at once, times 1 to 2 versions each, plus the shared line's.",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_slots(self) -> ServingLoraConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"serving.lora.maxCpuLoras ({self.max_cpu_loras}) must be at least maxLoras ({self.max_loras}): "
+                "the adapters in a batch are held in memory"
+            )
+        return self
 
 
 class ServingConfig(_Section):

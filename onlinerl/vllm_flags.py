@@ -5,6 +5,11 @@ Kept here, in the shared library, because the operator does not import serving c
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from onlinerl.config import OnlineRLConfig
+
 # Log-probs after temperature (and any other processor) instead of vLLM's default raw log_softmax(logits): the rollout
 # record's behaviour log-prob must be log mu(a), mu the distribution the token was sampled from. Appended after
 # serving.vllmArgs so a user flag cannot turn it off (argparse keeps the last value).
@@ -17,3 +22,15 @@ BEHAVIOUR_LOGPROBS_ARGS = ("--logprobs-mode", "processed_logprobs")
 # Placed before serving.vllmArgs, so a user's flag wins.
 CPU_IN_PROCESS_EXECUTOR_ARGS = ("--distributed-executor-backend", "uni")
 CPU_IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def lora_args(cfg: OnlineRLConfig) -> list[str]:
+    """vLLM's LoRA flags for ``serving.lora`` (LoRA weights mode only): rank, batch slots (``--max-loras``) and,
+    when set, the in-memory LRU cache of adapters (``--max-cpu-loras``) that per-project adapters need (issue 39)."""
+    if cfg.serving.weights_mode != "lora":
+        return []
+    lora = cfg.serving.lora
+    args = ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras", str(lora.max_loras)]
+    if lora.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    return args

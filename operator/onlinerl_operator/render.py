@@ -28,7 +28,12 @@ from onlinerl.dataplane import acl
 from onlinerl.dataplane.contract import Component
 from onlinerl.fim import get_template
 from onlinerl.model import SMOLLM2_GGUF_SHA256
-from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, CPU_IN_PROCESS_EXECUTOR_ARGS, CPU_IN_PROCESS_EXECUTOR_ENV
+from onlinerl.vllm_flags import (
+    BEHAVIOUR_LOGPROBS_ARGS,
+    CPU_IN_PROCESS_EXECUTOR_ARGS,
+    CPU_IN_PROCESS_EXECUTOR_ENV,
+    lora_args,
+)
 from onlinerl_operator import constants as c
 from onlinerl_operator.render_pod_template import component_fragment, customise
 
@@ -333,14 +338,7 @@ def vllm_args(ctx: RenderContext) -> list[str]:
         "--dtype",
         cfg.model.dtype,
     ]
-    if cfg.serving.weights_mode == "lora":
-        args += [
-            "--enable-lora",
-            "--max-lora-rank",
-            str(cfg.serving.lora.max_rank),
-            "--max-loras",
-            str(cfg.serving.lora.max_loras),
-        ]
+    args += lora_args(cfg)  # the same LoRA flags as the local stack (onlinerl/vllm_flags.py)
     if cfg.serving.gpus > 1:
         args += ["--tensor-parallel-size", str(cfg.serving.gpus)]
     if cfg.serving.gpus == 0:

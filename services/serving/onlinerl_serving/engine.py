@@ -17,7 +17,12 @@ from pathlib import Path
 from onlinerl import compile_cache, ports
 from onlinerl.config import OnlineRLConfig
 from onlinerl.procs import Child, python_module
-from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, CPU_IN_PROCESS_EXECUTOR_ARGS, CPU_IN_PROCESS_EXECUTOR_ENV
+from onlinerl.vllm_flags import (
+    BEHAVIOUR_LOGPROBS_ARGS,
+    CPU_IN_PROCESS_EXECUTOR_ARGS,
+    CPU_IN_PROCESS_EXECUTOR_ENV,
+    lora_args,
+)
 from onlinerl_serving.requests import MAX_STOP_SEQUENCES
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -65,14 +70,7 @@ def vllm_argv(
         str(cfg.model.max_model_len),
         "--disable-uvicorn-access-log",
     )
-    if cfg.serving.weights_mode == "lora":
-        argv += [
-            "--enable-lora",
-            "--max-lora-rank",
-            str(cfg.serving.lora.max_rank),
-            "--max-loras",
-            str(cfg.serving.lora.max_loras),
-        ]
+    argv += lora_args(cfg)
     if cpu:
         argv += CPU_IN_PROCESS_EXECUTOR_ARGS  # before serving.vllmArgs: a user's flag wins
     return argv + list(cfg.serving.vllm_args) + list(BEHAVIOUR_LOGPROBS_ARGS)

@@ -218,7 +218,7 @@ def released(engine: SharedEngine, job: str) -> Iterator[SharedEngine]:
         return  # the test failed hard; the next user of this engine fails with the log tail
     engine.publish_kernels()
     for name in sorted(engine.models() - {BASE_NAME}):
-        if name.startswith(f"{job}-v"):
+        if name.startswith((f"{job}-v", f"{job}@")):  # the shared line's adapters and its projects' (issue 39)
             httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
     wait_for(engine.holds_only_the_base, 30, interval=0.5, what=f"{job} to leave only the base on the shared engine")
 

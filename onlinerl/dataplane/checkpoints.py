@@ -7,13 +7,14 @@ and unless the version is newer than the last one announced). The entry's fields
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import redis
 
-from onlinerl.dataplane.codec import entries, str_map
+from onlinerl.dataplane.codec import entries, str_map, text
 from onlinerl.keys import Keys
 
 FIELDS = (
@@ -44,6 +45,19 @@ async def read_after(
     kwargs: dict[str, int] = {"count": count} if block_ms is None else {"count": count, "block": block_ms}
     reply = await client.xread({keys.checkpoints: last_id}, **kwargs)
     return [(i, str_map(f)) for _stream, raw in reply or () for i, f in entries(raw)]
+
+
+async def read_streams_after(
+    client: Any, positions: Mapping[str, str], count: int = 100, block_ms: int | None = None
+) -> list[tuple[str, str, dict[str, str]]]:
+    """``(stream, entry id, fields)`` after each stream's last id, for many lines' ``checkpoints`` streams in one
+    XREAD (a serving pod follows the shared line and every project line, issue 39): one round trip however many lines,
+    and an announcement on any of them ends the block at once. The keys share the job's hash tag (one Cluster slot)."""
+    if not positions:
+        return []
+    kwargs: dict[str, int] = {"count": count} if block_ms is None else {"count": count, "block": block_ms}
+    reply = await client.xread(dict(positions), **kwargs)
+    return [(text(stream), i, str_map(f)) for stream, raw in reply or () for i, f in entries(raw)]
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,14 @@ async def beat_async(client: Any, keys: Keys, replica: str, ttl: float = HEARTBE
     return float(text(await REPORT.run_async(client, [keys.replicas, keys.replica_versions(replica)], args)))
 
 
+async def keep_async(client: Any, keys: Keys, replica: str) -> None:
+    """Keep the replica's hash of ``keys``' line alive with its heartbeat (no beat, no state written): a project
+    line's states (issue 39) are written only when they change, while the beat itself touches the shared line's
+    hash, so the reloader keeps each project line's hash as long as the replica lives."""
+    args = _report_args(replica, HEARTBEAT_TTL_SECONDS, False, [])
+    await REPORT.run_async(client, [keys.replicas, keys.replica_versions(replica)], args)
+
+
 async def leave_async(client: Any, keys: Keys, replica: str) -> None:
     """A replica shutting down leaves the live set at once (its versions stop pinning now, not after the TTL)."""
     await client.zrem(keys.replicas, check_replica(replica))

@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from onlinerl.keys import Keys
+from onlinerl.lines import checkpoint_root
 from onlinerl.schemas import CheckpointManifest
 
 
@@ -48,9 +49,11 @@ def write_lora_checkpoint(
     seed: int | None = None,
     rank: int = 8,
     corrupt: bool = False,
+    line: str = "",
 ) -> Path:
-    """Write ``{ckpt_root}/{job}/v{version}`` as the trainer does: tmp dir, files, manifest last, atomic rename."""
-    job_dir = ckpt_root / job
+    """Write ``{ckpt_root}/{job}/v{version}`` (a project ``line``'s: ``{ckpt_root}/{job}/projects/{line}/v{version}``)
+    as the trainer does: tmp dir, files, manifest last, atomic rename."""
+    job_dir = checkpoint_root(ckpt_root, job, line)
     tmp = job_dir / f".tmp-v{version}-{os.getpid()}"
     tmp.mkdir(parents=True)
     make_lora_dir(base_model, tmp, seed=version if seed is None else seed, rank=rank)
@@ -63,6 +66,7 @@ def write_lora_checkpoint(
         base_model=str(base_model),
         step=version,
         files=files,
+        line=line,
     )
     (tmp / "manifest.json").write_bytes(manifest.to_json())
     if corrupt:  # bytes changed after the manifest was written: the reloader must refuse it
@@ -73,23 +77,23 @@ def write_lora_checkpoint(
     return final
 
 
-def lineage(r: redis.Redis, job: str) -> str:
+def lineage(r: redis.Redis, job: str, line: str = "") -> str:
     """The announcement's ``rollback_at`` as the trainer writes it: the trainer rebases onto the last manual rollback
     before it trains again, so a version published now follows that rollback (``0.0``: none yet)."""
-    return (r.hget(Keys(job).policy, "rollback_at") or b"0.0").decode()
+    return (r.hget(Keys(job).for_line(line).policy, "rollback_at") or b"0.0").decode()
 
 
-def announce(r: redis.Redis, job: str, version: int, path: Path) -> None:
-    """XADD the ``checkpoints`` entry (the last step of publishing)."""
+def announce(r: redis.Redis, job: str, version: int, path: Path, line: str = "") -> None:
+    """XADD the ``checkpoints`` entry (the last step of publishing) on ``line``'s stream."""
     r.xadd(
-        Keys(job).checkpoints,
+        Keys(job).for_line(line).checkpoints,
         {
             "version": str(version),
             "path": str(path),
             "kind": "lora",
             "manifest_sha256": _sha256(path / "manifest.json"),
             "created_at": repr(time.time()),
-            "rollback_at": lineage(r, job),
+            "rollback_at": lineage(r, job, line),
         },
     )
 
@@ -104,8 +108,9 @@ def publish_lora(
     seed: int | None = None,
     rank: int = 8,
     corrupt: bool = False,
+    line: str = "",
 ) -> Path:
-    """Write and announce version ``version``."""
-    path = write_lora_checkpoint(job, base_model, ckpt_root, version, seed=seed, rank=rank, corrupt=corrupt)
-    announce(r, job, version, path)
+    """Write and announce version ``version`` (of project ``line``'s own policy line when given)."""
+    path = write_lora_checkpoint(job, base_model, ckpt_root, version, seed=seed, rank=rank, corrupt=corrupt, line=line)
+    announce(r, job, version, path, line)
     return path

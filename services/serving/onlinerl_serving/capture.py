@@ -75,12 +75,14 @@ class RolloutAccumulator:
         created_at: float,
         rollout_id: str | None = None,
         canary: int | None = None,
+        line: str = "",
     ) -> RolloutRecord:
         return RolloutRecord(
             rollout_id=rollout_id or uuid.uuid4().hex,
             tenant=tenant,
             arm=arm,
             policy_version=version,
+            line=line,
             served_model=served_model,
             user_hash=user_hash,
             prompt=prompt,
@@ -167,7 +169,10 @@ class RolloutStore:
         """The one EVAL that records ``record`` (and, for a tenant with silence tracking on, marks it due).
         ``prompt``: the served prompt, whose digest names the record's hash (a redacted record holds no prompt)."""
         tracked = self.silence.tracked(record.tenant)
-        return rollouts.record_command(self.keys, record, self.ttl_seconds, self.max_records, tracked, prompt)
+        # ``served`` and the canary's per-user ledger count on the line that served it (issue 39: a project's own line
+        # has its own versions and canary); the records, index and due-set are the tenant's whatever the line.
+        keys = self.keys.for_line(record.line)
+        return rollouts.record_command(keys, record, self.ttl_seconds, self.max_records, tracked, prompt)
 
     async def send(self, record: RolloutRecord, prompt: str | None = None) -> asyncio.Future:
         """Send the write now (readable by others once Redis reads it); the future is Redis's acknowledgement."""

@@ -63,6 +63,18 @@ def pin_forbidden(role: str) -> ApiError:
     )
 
 
+def wrong_project(header: str, named: str, tenant: str) -> ApiError:
+    """A header naming another project than the key's (issue 39): a key is served its own project's policy only."""
+    return ApiError(
+        403,
+        f"{header} names project {named[:80]!r}, but this API key belongs to project {tenant!r}: a key is served "
+        f"its own project's policy only; drop {header} or send the key's own project",
+        type_="permission_error",
+        param=header,
+        code="wrong_project",
+    )
+
+
 def unavailable(message: str, retry_after: int) -> ApiError:
     return ApiError(503, message, type_="service_unavailable", code="engine_unavailable", retry_after=retry_after)
 

@@ -4,6 +4,14 @@
 raw ASGI app: it decides the status only after vLLM answered, relays the SSE stream chunk by chunk (stripping what the
 client did not ask for while keeping token ids and log-probs for the record), sends the rollout record's write to
 Redis before the client's ``data: [DONE]``, and aborts the upstream request as soon as the client goes away.
+
+Per-project adapters (issue 39): a key is routed on its project's own policy line when the project has one loaded
+here (``ServingState.lines``: the project is the key's tenant, never anything the client sends), with that line's
+table and the same routing rules; else on the shared line. ``X-Project-ID`` naming another project than the key's is
+refused (403 ``wrong_project``, as the feedback service does); body fields (``model``, ``user``, anything else) never
+choose a line or an adapter. An evaluation key asks for a version of its own project's line with
+``X-OnlineRL-Line: <its project>`` beside ``X-OnlineRL-Version`` (default: the shared line). The record carries the
+line, the line's version and the adapter that served it; ``served`` counts on that line's stats.
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ from onlinerl.asgi import ASGIApp, Receive, Scope, Send, read_capped, serve, wit
 from onlinerl.auth import KeyRing, bearer_token, reveals_routing
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.http_errors import error_body
-from onlinerl.keys import Keys
+from onlinerl.keys import SHARED_LINE, Keys
+from onlinerl.lines import adapter_name
+from onlinerl.schemas import PolicyTable
 from onlinerl_serving.capture import RolloutAccumulator, RolloutStore, client_view
-from onlinerl_serving.errors import ApiError, engine_timeout, pin_forbidden, unauthorized, unavailable
+from onlinerl_serving.errors import ApiError, engine_timeout, pin_forbidden, unauthorized, unavailable, wrong_project
 from onlinerl_serving.metrics import GatewayMetrics
 from onlinerl_serving.openapi import openapi_document
 from onlinerl_serving.requests import (
@@ -56,6 +66,10 @@ log = logging.getLogger("onlinerl.gateway")
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 # Evaluation asks for one version explicitly (`onlinerl eval`, the rollout gate); recorded under arm "eval".
 VERSION_HEADER = b"x-onlinerl-version"
+# ...of its own project's line (issue 39; absent or empty: the shared line).
+LINE_HEADER = b"x-onlinerl-line"
+# Continue's project header (feedback reads it too): when sent, it must name the key's own project.
+PROJECT_HEADER = b"x-project-id"
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -78,6 +92,18 @@ def _forced_version(scope: Scope) -> int | None:
             param="X-OnlineRL-Version",
         )
     return int(text)
+
+
+def _own_project_only(scope: Scope, tenant: str) -> str:
+    """The line an evaluation's ``X-OnlineRL-Line`` asks for ('' when absent). ``X-Project-ID`` and
+    ``X-OnlineRL-Line``, when they name a project, must name the key's own: 403 ``wrong_project`` otherwise."""
+    claimed = _header(scope, PROJECT_HEADER)
+    if claimed and claimed.strip() != tenant:
+        raise wrong_project("X-Project-ID", claimed.strip(), tenant)
+    line = (_header(scope, LINE_HEADER) or "").strip()
+    if line and line != tenant:
+        raise wrong_project("X-OnlineRL-Line", line, tenant)
+    return line
 
 
 def api_key_of(scope: Scope) -> str | None:
@@ -111,6 +137,7 @@ class Gateway:
             job=cfg.job,
             base_name=cfg.model.served_name,
             weights_mode=cfg.serving.weights_mode,
+            projects=cfg.projects,
         )
         self.inflight: Tally[str] = Tally()
         self._held_arm: tuple[int, Arm] = (-1, STABLE)  # full weights: (held version, arm it was last routed under)
@@ -125,12 +152,23 @@ class Gateway:
         self.screen = SecretScreen(cfg.privacy.secret_screening, self.metrics.registry)  # issue 38
 
     # --- routing ------------------------------------------------------------------------------------------------
-    def pick(self, uhash: str, forced: int | None = None, held: int | None = None) -> tuple[PolicyRoute, str]:
-        """``held``: full-weight mode, the version vLLM's one model holds while this request is in flight."""
+    def pick(
+        self,
+        uhash: str,
+        forced: int | None = None,
+        held: int | None = None,
+        tenant: str = "",
+        forced_line: str = SHARED_LINE,
+    ) -> tuple[PolicyRoute, str, str, PolicyTable]:
+        """``(route, served model, line, the line's table)`` of one request. ``held``: full-weight mode, the version
+        vLLM's one model holds while this request is in flight. ``tenant``: the key's project, routed on its own line
+        when it has one here (one dict lookup); ``forced_line``: the line an evaluation's version is on."""
         table = self.state.policy
+        line = SHARED_LINE
         draw = random.random()  # this request's point when a few-user canary splits by request (routing.choose)
         if forced is not None:
-            r = self._forced_route(forced, held)
+            line = forced_line if held is None else SHARED_LINE  # full weights hold one model: no project lines
+            r = self._forced_route(forced, held, line)
         elif held is not None:
             # Full weights: everyone gets what vLLM holds. While the table already names another version (a switch
             # is coming), the held one keeps the arm it was last routed under: the old stable stays "stable", and a
@@ -142,16 +180,28 @@ class Gateway:
                 arm = self._held_arm[1] if self._held_arm[0] == held else STABLE
             r = PolicyRoute(arm, held, wanted)
         else:
-            r = route(table, uhash, self.state.loaded_versions(), draw)
-        return r, served_model_name(self.cfg.job, self.cfg.model.served_name, r.version, self.cfg.serving.weights_mode)
+            own = self.state.lines.get(tenant)  # the project's own line, when it has one routable here
+            if own is not None:
+                line, table = tenant, own.table
+                r = route(table, uhash, own.loaded, draw)
+            else:
+                r = route(table, uhash, self.state.loaded_versions(), draw)
+        return r, self.model_for(line, r.version), line, table
 
-    def _forced_route(self, version: int, held: int | None = None) -> PolicyRoute:
+    def model_for(self, line: str, version: int) -> str:
+        """The vLLM model that serves ``version`` of ``line`` (0 of any line: the base model)."""
+        if line and version:
+            return adapter_name(self.cfg.job, version, line)
+        return served_model_name(self.cfg.job, self.cfg.model.served_name, version, self.cfg.serving.weights_mode)
+
+    def _forced_route(self, version: int, held: int | None = None, line: str = SHARED_LINE) -> PolicyRoute:
         """The version an evaluation asked for, if this replica serves it (else 409: nothing is substituted)."""
-        available = {held} if held is not None else {0, *self.state.loaded_versions()}
+        available = {held} if held is not None else self.state.line_versions(line)
         if version not in available:
+            where = f" of project {line}'s line" if line else ""
             raise ApiError(
                 409,
-                f"policy version {version} is not loaded in this replica (loaded: "
+                f"policy version {version}{where} is not loaded in this replica (loaded: "
                 f"{sorted(available)}); drop the X-OnlineRL-Version header to be routed",
                 code="version_not_loaded",
                 param="X-OnlineRL-Version",
@@ -170,6 +220,7 @@ class Gateway:
                 tenant, code = "-", 401
                 raise unauthorized()
             tenant = identity.tenant
+            forced_line = _own_project_only(scope, tenant)
             forced = _forced_version(scope)
             if forced is not None and not identity.may_pin:
                 raise pin_forbidden(identity.role)
@@ -192,6 +243,7 @@ class Gateway:
                 t0,
                 forced,
                 reveal=reveals_routing(identity, self.cfg.serving.routing_headers),
+                forced_line=forced_line,
             )
         except ApiError as err:
             code = err.status
@@ -268,6 +320,7 @@ class Gateway:
         t0: float,
         forced: int | None = None,
         reveal: bool = False,
+        forced_line: str = SHARED_LINE,
     ) -> tuple[int, str, int]:
         """``reveal``: the key may see which arm and version served it (eval and admin keys: evaluation, tools);
         a user key never does, so no user can learn whether it is in a canary and steer it (issue 35)."""
@@ -276,8 +329,8 @@ class Gateway:
         for attempt in (0, 1):
             held = await self._enter_weights(forced)
             try:
-                r, model = self.pick(uhash, forced, held)
-                canary = self.state.policy.candidate if r.arm in (STABLE, CANDIDATE) else None  # pick's table
+                r, model, line, table = self.pick(uhash, forced, held, tenant, forced_line)
+                canary = table.candidate if r.arm in (STABLE, CANDIDATE) else None  # the line's canary
             except BaseException:  # e.g. 409 for a version not held: release the gate's count at once
                 if held is not None:
                     self.state.weights.leave()
@@ -310,8 +363,10 @@ class Gateway:
                     return resp.status_code, r.arm, r.version
                 headers = {"x-onlinerl-rollout-id": rollout_id}
                 if reveal:
-                    headers.update({"x-onlinerl-policy-version": str(r.version), "x-onlinerl-arm": r.arm})
-                ctx = _Ctx(req, tenant, uhash, r, model, rollout_id, created_at, t0, overhead, canary)
+                    headers.update(
+                        {"x-onlinerl-policy-version": str(r.version), "x-onlinerl-arm": r.arm, "x-onlinerl-line": line}
+                    )
+                ctx = _Ctx(req, tenant, uhash, r, model, rollout_id, created_at, t0, overhead, canary, line)
                 if req.stream:
                     return await self._relay_stream(resp, ctx, receive, send, headers), r.arm, r.version
                 return await self._relay_body(resp, ctx, receive, send, headers), r.arm, r.version
@@ -363,6 +418,7 @@ class Gateway:
             created_at=ctx.created_at,
             rollout_id=ctx.rollout_id,
             canary=ctx.canary,
+            line=ctx.line,
         )
         record = self.screen.screen(record)  # a credential in the prompt or completion: recorded without the text
         try:
@@ -494,7 +550,19 @@ def _interrupted(message: str) -> dict:
 class _Ctx:
     """One request's routing facts, carried from routing to recording."""
 
-    __slots__ = ("canary", "created_at", "model", "overhead", "req", "rollout_id", "route", "t0", "tenant", "uhash")
+    __slots__ = (
+        "canary",
+        "created_at",
+        "line",
+        "model",
+        "overhead",
+        "req",
+        "rollout_id",
+        "route",
+        "t0",
+        "tenant",
+        "uhash",
+    )
 
     def __init__(
         self,
@@ -508,10 +576,12 @@ class _Ctx:
         t0: float,
         overhead: float,
         canary: int | None = None,
+        line: str = SHARED_LINE,
     ) -> None:
         self.req, self.tenant, self.uhash, self.route, self.model = req, tenant, uhash, route, model
         self.rollout_id, self.created_at, self.t0, self.overhead = rollout_id, created_at, t0, overhead
         self.canary = canary  # the candidate the table named at routing: the per-user ledger the record counts in
+        self.line = line  # the policy line that served it ('' shared, else the key's project: issue 39)
 
 
 def _client_disconnected() -> ApiError:
@@ -586,6 +656,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
             "engine": gw.state.engine_up,
             "redis": gw.state.redis_up,
             "loaded_versions": sorted(gw.state.loaded_versions()),
+            "project_lines": {p: sorted(v.loaded) for p, v in sorted(gw.state.lines.items())},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

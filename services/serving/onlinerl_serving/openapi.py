@@ -39,7 +39,10 @@ def completion_request_schema(limits: Limits) -> dict[str, Any]:
         "required": ["prompt"],
         "additionalProperties": True,
         "properties": {
-            "model": {"type": "string", "description": "ignored: the gateway routes to a policy version"},
+            "model": {
+                "type": "string",
+                "description": "ignored: the gateway routes the key to a policy version of its project's line",
+            },
             "prompt": {
                 "description": "one raw (FIM-rendered) prompt; a list holding exactly one string is accepted",
                 "anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}],
@@ -116,7 +119,23 @@ def openapi_document(limits: Limits, served_name: str) -> dict[str, Any]:
                             "required": False,
                             "description": "pin a policy version (keys with role eval or admin only)",
                             "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
-                        }
+                        },
+                        {
+                            "name": "X-OnlineRL-Line",
+                            "in": "header",
+                            "required": False,
+                            "description": "with X-OnlineRL-Version: the version is of the key's own project's policy "
+                            "line (per-project adapters); absent: the shared policy's. Another project: 403",
+                            "schema": {"type": "string"},
+                        },
+                        {
+                            "name": "X-Project-ID",
+                            "in": "header",
+                            "required": False,
+                            "description": "optional: the key's own project (a key is always served its own "
+                            "project's policy); another project: 403 wrong_project",
+                            "schema": {"type": "string"},
+                        },
                     ],
                     "requestBody": {
                         "required": True,

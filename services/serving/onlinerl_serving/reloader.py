@@ -10,6 +10,13 @@
    ``serving.drainTimeoutSeconds``); the directory is left alone (the trainer deletes only ``retired`` versions);
 5. every tick compares vLLM's model list with what it should hold: a restarted vLLM gets its versions back.
 
+Per-project adapters (issue 39, ``projects.adapters`` listed or all, LoRA only): each project's own policy line has its
+own ``checkpoints`` stream, policy table, holds and version states (``Keys.for_project``); the reloader follows every
+line the same way (:mod:`onlinerl_serving.project_lines`), one :class:`Reloader` per line sharing this one's engine,
+and loads a project's versions under ``{job}@{project}-v{N}`` from its own folder only. vLLM keeps every registered
+adapter's name and the ``serving.lora.maxCpuLoras`` most recently used in memory: one evicted is read from its folder
+again by its next request (slower, never failed).
+
 The direct raise is one Lua script that refuses while the table holds a manual decision (``hold``, set by
 ``onlinerl policy rollback`` / ``pin``, cleared by ``resume``), while ``paused``, for a version the rollout rolled
 back, and for one whose announcement is off the last manual rollback's lineage (its ``rollback_at``: trained on the
@@ -48,11 +55,13 @@ from starlette.routing import Route
 from onlinerl import ports
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.dataplane import audit, checkpoints, holds, policy, versions
-from onlinerl.keys import Keys
+from onlinerl.keys import SHARED_LINE, Keys
+from onlinerl.lines import adapter_name
 from onlinerl.schemas import AuditEntry, PolicyTable, PolicyVersionState
 from onlinerl_serving.checkpoints import Announcement, CheckpointError, confine, validate
 from onlinerl_serving.engine_admin import EngineAdmin, EngineError
 from onlinerl_serving.metrics import ReloaderMetrics
+from onlinerl_serving.project_lines import ProjectLines
 from onlinerl_serving.routing import served_model_name
 
 log = logging.getLogger("onlinerl.reloader")
@@ -93,14 +102,17 @@ class Reloader:
         metrics: ReloaderMetrics | None = None,
         options: ReloaderOptions | None = None,
         replica: str | None = None,
+        line: str = SHARED_LINE,
     ) -> None:
         self.cfg = cfg
         # This replica's id (its own versions hash and heartbeat): ``replica``, else $ONLINERL_REPLICA, else host-pid.
         self.replica = versions.check_replica(replica or versions.default_replica_id())
         self.redis = redis
+        self.engine = engine
         self.admin = EngineAdmin(engine)
         self.gateway = gateway
-        self.keys = Keys(cfg.job)
+        self.line = line  # the policy line this reloader follows ('' shared, else a project's own: issue 39)
+        self.keys = Keys(cfg.job).for_line(line)
         self.metrics = metrics or ReloaderMetrics()
         self.opt = options or ReloaderOptions()
         self.versions: dict[int, Version] = {}
@@ -117,22 +129,44 @@ class Reloader:
         self.restarts_detected = 0
         self.last_beat: float | None = None  # server deadline of the last heartbeat (None: not beating yet)
         self.raise_tried: set[int] = set()  # strategy direct, LoRA: versions whose raise was tried (once each)
+        # The shared line's reloader also follows every project line (LoRA and projects.adapters listed/all).
+        self.projects: ProjectLines | None = None
+        if not line and cfg.projects.adapters != "off":
+            if self.full:
+                log.error(
+                    "projects.adapters=%s needs serving.weightsMode lora: project lines not served",
+                    cfg.projects.adapters,
+                )
+            else:
+                self.projects = ProjectLines(cfg, redis, self.for_line)
+
+    def for_line(self, line: str) -> Reloader:
+        """A reloader of project ``line`` sharing this one's engine, gateway, Redis, metrics and replica id."""
+        return Reloader(
+            self.cfg, self.redis, self.engine, self.gateway, self.metrics, self.opt, self.replica, line=line
+        )
 
     @property
     def full(self) -> bool:
         return self.cfg.serving.weights_mode == "full"
 
     def model_name(self, v: int) -> str:
+        if self.line:  # a project's version (its v0 is the base model, which no project line loads)
+            return adapter_name(self.cfg.job, v, self.line)
         return served_model_name(self.cfg.job, self.cfg.model.served_name, v, self.cfg.serving.weights_mode)
+
+    def _where(self) -> str:
+        return f"project {self.line}'s " if self.line else ""
 
     # --- stream ---------------------------------------------------------------------------------------------------
     def _refuse(self, what: str, exc: CheckpointError) -> None:
         """An announcement (or its folder) we will not load: an ERROR line, the metric and an audit entry (written by
         ``_write_refusals``); the loop goes on."""
         self.metrics.refused.labels(exc.reason).inc()
+        what = self._where() + what
         log.error("refused %s (%s): %s", what, exc.reason, exc)
         self.refusals.append(
-            AuditEntry(event_id=what, tenant="", outcome="refused_by_reloader", reason=exc.reason).to_json()
+            AuditEntry(event_id=what, tenant=self.line, outcome="refused_by_reloader", reason=exc.reason).to_json()
         )
 
     async def _write_refusals(self) -> None:
@@ -146,7 +180,7 @@ class Reloader:
         entry never becomes a version, so a good announcement of the same version after it still counts."""
         try:
             ann = Announcement.from_entry(entry_id, fields)
-            confine(ann, self.cfg.storage.checkpoint_dir, self.cfg.job)
+            confine(ann, self.cfg.storage.checkpoint_dir, self.cfg.job, self.line)
         except CheckpointError as exc:
             self._refuse(f"checkpoints entry {entry_id!r}", exc)
             return
@@ -159,17 +193,22 @@ class Reloader:
                 self._refuse(f"checkpoints entry {ann.entry_id}", CheckpointError(message, "conflicting_announcement"))
             return
         self.versions[ann.version] = Version(ann)
-        log.info("checkpoint v%d announced at %s", ann.version, ann.path)
+        log.info("%scheckpoint v%d announced at %s", self._where(), ann.version, ann.path)
 
     def validate(self, v: int) -> None:
         """Place and contents of v's folder (blocking file I/O: run it in a thread); CheckpointError if refused."""
-        validate(self.versions[v].ann, self.cfg.storage.checkpoint_dir, self.cfg.job)
+        validate(self.versions[v].ann, self.cfg.storage.checkpoint_dir, self.cfg.job, self.line)
 
     async def read_stream(self, block_ms: int | None) -> None:
-        for entry_id, fields in await checkpoints.read_after(self.redis, self.keys, self.last_id, 100, block_ms):
-            self._register(entry_id, fields)
-            self.last_id = entry_id
-        await self._write_refusals()
+        """New announcements on this line, and on every project line this reloader follows, in one XREAD."""
+        lines = {self.keys.checkpoints: self, **(self.projects.by_stream() if self.projects else {})}
+        positions = {stream: r.last_id for stream, r in lines.items()}
+        for stream, entry_id, fields in await checkpoints.read_streams_after(self.redis, positions, 100, block_ms):
+            r = lines[stream]
+            r._register(entry_id, fields)
+            r.last_id = entry_id
+        for r in lines.values():
+            await r._write_refusals()
 
     # --- decisions ------------------------------------------------------------------------------------------------
     async def policy(self) -> PolicyTable:
@@ -212,6 +251,15 @@ class Reloader:
         if self.full:
             await self._tick_full()
             return
+        await self.reconcile(names)
+        loaded = [v for v, s in self.versions.items() if s.state == "loaded"]
+        self.metrics.loaded.set(len(loaded))
+        self.metrics.serving_version.set(max(loaded, default=0))
+        if self.projects is not None:
+            await self.projects.tick(names)
+
+    async def reconcile(self, names: set[str]) -> None:
+        """One LoRA line's step: what vLLM lost is loaded again, what is wanted loaded, what is not retired."""
         self._detect_lost_adapters(names)
         table = await self.policy()
         wanted = self.wanted(table, await self.holds())
@@ -220,19 +268,15 @@ class Reloader:
             s.unwanted_since = None
             if s.state != "loaded" and time.monotonic() >= s.next_attempt:
                 await self.load(v)
-        if not self.full:
-            await self._retire_unwanted(set(wanted), table)
+        await self._retire_unwanted(set(wanted), table)
         if self.cfg.rollout.strategy == "direct":
             await self._raise_everywhere(once=True)  # also completes a switch once a lagging replica died
-        loaded = [v for v, s in self.versions.items() if s.state == "loaded"]
-        self.metrics.loaded.set(len(loaded))
-        self.metrics.serving_version.set(max(loaded, default=0))
 
     def _detect_lost_adapters(self, names: set[str]) -> None:
         lost = [v for v, s in self.versions.items() if s.state == "loaded" and self.model_name(v) not in names]
         if lost:
             self.restarts_detected += 1
-            log.warning("vLLM lost adapters %s (restarted?): loading them again", lost)
+            log.warning("vLLM lost %sadapters %s (restarted?): loading them again", self._where(), lost)
             for v in lost:
                 self.versions[v].state = "announced"
 
@@ -258,7 +302,7 @@ class Reloader:
                 continue
             s.state = "retired"
             await self._save_state(v)
-            log.info("v%d unloaded after %.1fs unwanted (in flight: %s)", v, waited, busy)
+            log.info("%sv%d unloaded after %.1fs unwanted (in flight: %s)", self._where(), v, waited, busy)
 
     async def _gateway_inflight(self) -> dict[str, int] | None:
         try:
@@ -292,11 +336,21 @@ class Reloader:
         s.state, s.error, s.failures = "loaded", "", 0
         await self._save_state(v)
         status = {"last_reload_at": repr(time.time()), "last_version": str(v), "last_error": ""}
-        await versions.set_reloader_status(self.redis, self.keys, status)
+        await self._set_status(status)
         if self.cfg.rollout.strategy == "direct":
             await self._raise_everywhere(once=True)
-        log.info("v%d loaded and warm in %.2fs", v, time.perf_counter() - t0)
+        log.info("%sv%d loaded and warm in %.2fs", self._where(), v, time.perf_counter() - t0)
         return True
+
+    async def _set_status(self, fields: dict[str, str]) -> None:
+        """The job-wide reloader status hash says what the shared line did (``onlinerl status``); a project line
+        writes only its errors there, named with the project, so its version numbers never read as the shared
+        line's."""
+        if self.line:
+            fields = {k: f"project {self.line}: {v}" for k, v in fields.items() if k == "last_error" and v}
+            if not fields:
+                return
+        await versions.set_reloader_status(self.redis, self.keys, fields)
 
     async def _raise_everywhere(self, version: int | None = None, once: bool = False) -> bool:
         """strategy direct: raise stable to ``version`` (default: the newest) once every LIVE replica has it loaded
@@ -321,9 +375,9 @@ class Reloader:
         code = await policy.raise_stable(self.redis, self.keys, v, known.ann.rollback_at if known else None)
         result = "raised" if code == policy.RAISED else policy.NOT_RAISED[code]
         if code == 1:
-            log.info("policy.stable -> v%d", v)
+            log.info("%spolicy.stable -> v%d", self._where(), v)
         elif code < 0 and self.last_raise != {"version": v, "result": result}:
-            log.info("v%d not made stable: %s", v, result)
+            log.info("%sv%d not made stable: %s", self._where(), v, result)
         self.last_raise = {"version": v, "result": result}
         return code == 1
 
@@ -499,18 +553,18 @@ class Reloader:
         s.failures += 1
         s.error = error
         self.metrics.reloads.labels("failure").inc()
-        await versions.set_reloader_status(self.redis, self.keys, {"last_error": f"v{v}: {error}"[:2000]})
+        await self._set_status({"last_error": f"v{v}: {error}"[:2000]})
         if s.failures >= self.cfg.serving.max_load_failures:
             s.state = "failed"
             self.metrics.failed.inc()
-            log.error("v%d FAILED after %d attempts, not serving it: %s", v, s.failures, error)
+            log.error("%sv%d FAILED after %d attempts, not serving it: %s", self._where(), v, s.failures, error)
             if not self.full:
                 with contextlib.suppress(EngineError):
                     await self.admin.unload_lora(self.model_name(v))
         else:
             s.state = "announced"
             s.next_attempt = time.monotonic() + self.opt.retry_backoff_seconds * 2 ** (s.failures - 1)
-            log.warning("v%d load attempt %d failed (retrying): %s", v, s.failures, error)
+            log.warning("%sv%d load attempt %d failed (retrying): %s", self._where(), v, s.failures, error)
         await self._save_state(v)
 
     async def _save_state(self, v: int) -> None:
@@ -533,6 +587,8 @@ class Reloader:
         if self.engine_seen_up:
             ttl = self.opt.heartbeat_ttl_seconds
             self.last_beat = await versions.beat_async(self.redis, self.keys, self.replica, ttl)
+            if self.projects is not None:
+                await self.projects.keep(self.replica)
 
     async def heartbeat(self) -> None:
         """Beat every ``heartbeat_seconds``, apart from the reconcile loop: a long load or a full-weight swap must not
@@ -550,6 +606,8 @@ class Reloader:
         """Leave the live set at shutdown: this replica's versions stop pinning and stop holding switches at once."""
         try:
             await versions.leave_async(self.redis, self.keys, self.replica)
+            if self.projects is not None:
+                await self.projects.leave(self.replica)
         except Exception as exc:
             log.warning("could not leave the live set (it lapses in %.0fs): %s", self.opt.heartbeat_ttl_seconds, exc)
 
@@ -612,6 +670,7 @@ def create_app(cfg: OnlineRLConfig, options: ReloaderOptions | None = None) -> S
             "replica": reloader.replica,
             "last_raise": reloader.last_raise,
             "versions": {v: s.state for v, s in sorted(reloader.versions.items())},
+            "lines": reloader.projects.states() if reloader.projects is not None else {},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

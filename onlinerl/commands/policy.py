@@ -1,4 +1,5 @@
-"""``onlinerl policy show|pin|unpin|rollback|pause|resume``: act on the live policy table in Redis."""
+"""``onlinerl policy [--project P] show|pin|unpin|rollback|pause|resume``: act on the live policy table in Redis (the
+shared policy's, or project P's own line's only: issue 39)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("policy", help="show or steer the live rollout (pin, rollback, pause)")
     p.add_argument("--redis-url", default=None, help="default: redis.url of the config")
     p.add_argument("--job", default=None, help="default: job of the config")
+    p.add_argument(
+        "--project",
+        default="",
+        metavar="P",
+        help="act on project P's own policy line only (its own adapter: projects.adapters listed or all); "
+        "default: the shared policy. Every other line is left as it is",
+    )
     p.add_argument(
         "--state",
         type=Path,
@@ -77,7 +85,9 @@ def _store(args: argparse.Namespace):
     from onlinerl.rollout.manual import connect
 
     cfg = _config(args)
-    return connect(args.redis_url if args.redis_url is not None else cfg.redis.url, args.job or cfg.job)
+    url = args.redis_url if args.redis_url is not None else cfg.redis.url
+    project = args.project or ""
+    return connect(url, args.job or cfg.job, project, listed=bool(project) and cfg.projects.has_own_line(project))
 
 
 def _actor() -> str:

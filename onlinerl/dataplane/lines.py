@@ -13,7 +13,7 @@ that wait for nothing, and the full per-line reads only for lines with a candida
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,16 @@ def read(client: redis.Redis, keys: Keys) -> list[str]:
     return registered(client.smembers(keys.lines))
 
 
+def exists(client: redis.Redis, keys: Keys, line: str) -> bool:
+    """Whether project ``line`` is a line of the job: registered, or it has a policy table (a listed project's line
+    before its first version). `onlinerl policy --project` acts only on one (a typo must not create a table)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.sismember(keys.lines, line)
+    pipe.exists(keys.for_project(line).policy)
+    registered_, table = pipe.execute()
+    return bool(registered_) or bool(table)
+
+
 @dataclass(frozen=True)
 class LineView:
     """One line as the rollout controller first sees it in a tick: its policy table, its verdicts and the job-wide
@@ -75,6 +85,7 @@ class LineView:
     table: PolicyTable
     verdicts: dict[int, RolloutState] = field(default_factory=dict)
     versions: dict[int, PolicyVersionState] = field(default_factory=dict)
+    activity: str | None = None  # the controller's activity line as stored (None: not read)
 
 
 def parse_verdicts(raw: Any) -> dict[int, RolloutState]:
@@ -88,23 +99,28 @@ def parse_verdicts(raw: Any) -> dict[int, RolloutState]:
     return out
 
 
-def views(client: redis.Redis, job: str, lines: Sequence[str]) -> dict[str, LineView]:
+def views(
+    client: redis.Redis, job: str, lines: Sequence[str], activity_of: Collection[str] = ()
+) -> dict[str, LineView]:
     """Every line's :class:`LineView` ('' = the shared line): the live replicas once (two commands), then one
-    pipeline of ``2 + replicas`` HGETALLs per line."""
+    pipeline of ``2 + replicas`` HGETALLs per line, and the stored activity of the lines in ``activity_of`` (a
+    controller that has not seen a line yet: it writes its activity only when it differs from what is stored)."""
     shared = Keys(job)
     live = versions.live_replicas(client, shared)
     pipe = client.pipeline(transaction=False)
     for line in lines:
-        k = shared.for_project(line) if line else shared
+        k = shared.for_line(line)
         pipe.hgetall(k.policy)
         pipe.hgetall(k.rollout)
         for rid in live:
             pipe.hgetall(k.replica_versions(rid))
-    replies = pipe.execute()
+        if line in activity_of:
+            pipe.hget(k.controller_status, "activity")
+    replies = iter(pipe.execute())
     out: dict[str, LineView] = {}
-    step = 2 + len(live)
-    for i, line in enumerate(lines):
-        part = replies[i * step : (i + 1) * step]
-        table = versions.table_of(dict(zip(live, part[2:], strict=True)))
-        out[line] = LineView(line, PolicyTable.from_redis(part[0]), parse_verdicts(part[1]), table.states)
+    for line in lines:
+        policy, verdicts = next(replies), next(replies)
+        table = versions.table_of({rid: next(replies) for rid in live})
+        activity = text(next(replies) or b"") if line in activity_of else None
+        out[line] = LineView(line, PolicyTable.from_redis(policy), parse_verdicts(verdicts), table.states, activity)
     return out

@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 from onlinerl.config import RedisConfig, RolloutConfig
+from onlinerl.dataplane import lines
 from onlinerl.errors import CommandError
-from onlinerl.keys import Keys
+from onlinerl.keys import Keys, tenant_problem
 from onlinerl.redisconn import connect as redis_connect
 from onlinerl.rollout.records import DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
@@ -185,10 +186,26 @@ def show(store: RolloutStore, decisions: int = 10) -> dict[str, Any]:
     }
 
 
-def connect(url: str, job: str) -> RolloutStore:
+def connect(url: str, job: str, project: str = "", listed: bool = False) -> RolloutStore:
+    """The store of the shared line, or of ``project``'s own policy line (issue 39): every action then reads and
+    writes that line's keys only (its policy table, verdicts, decisions), so it never touches another project's line.
+    A project must be a line of the job (registered, with a policy table, or ``listed`` in the config): a typo must
+    not create a policy table nobody serves."""
     if not url:
         raise CommandError(
             "no Redis to act on: pass --redis-url, or --state DIR of a local stack (`make run`), "
             "or set redis.url in the config"
         )
-    return RolloutStore(redis_connect(RedisConfig(), url), Keys(job))  # default deadlines
+    problem = tenant_problem(project) if project else None
+    if problem:
+        raise CommandError(f"--project: {problem}")
+    r = redis_connect(RedisConfig(), url)  # default deadlines
+    keys = Keys(job)
+    if project and not listed and not lines.exists(r, keys, project):
+        known = lines.read(r, keys)
+        r.close()
+        raise CommandError(
+            f"project {project!r} has no policy line of its own in job {job!r} (project lines: {known or 'none'}); "
+            "a project gets one under projects.adapters listed or all, from its first version"
+        )
+    return RolloutStore(r, keys.for_line(project))

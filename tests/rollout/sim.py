@@ -69,12 +69,13 @@ class _Wire:
 
     LANES = 8
 
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: FeedbackConfig) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: FeedbackConfig, line: str = "") -> None:
         kw = r.connection_pool.connection_kwargs
         self.runner = asyncio.Runner()
         self.client = AsyncRedis(**{k: kw[k] for k in ("host", "port", "db", "username", "password") if k in kw})
         ttl = RedisConfig().rollout_ttl_seconds
-        self.gateway = RolloutStore(self.client, keys, ttl, cfg.silence)  # its record command and accounting
+        # its record command and accounting, on the line that serves the tenant (issue 39)
+        self.gateway = RolloutStore(self.client, keys.for_line(line), ttl, cfg.silence)
         self.lanes = [Pipeliner(self.client) for _ in range(self.LANES)]
         self.feedback = [FeedbackStore(p, p, keys, cfg.dedupe_ttl_seconds, ttl, cfg.limits) for p in self.lanes]
 
@@ -96,15 +97,18 @@ class ArmSimulator:
     truth: dict[int, Truth]
     seed: int = 0
     users: int = 5000
+    tenant: str = TENANT
+    line: str = ""  # the policy line serving the tenant (issue 39): '' the shared policy, else the tenant's own
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.draws = random.Random(self.seed + 1)  # only a canary split by request draws (other runs stay as they were)
         self.keys = Keys(self.job)
+        self.line_keys = self.keys.for_line(self.line)
         self.feedback = FeedbackConfig()
         self.served = 0  # requests so far: each gets its own prompt, so each outcome joins its own rollout
-        self._wire = _Wire(self.r, self.keys, self.feedback)
+        self._wire = _Wire(self.r, self.keys, self.feedback, self.line)
         weakref.finalize(self, self._wire.close)
 
     def key(self, user: int) -> str:
@@ -122,9 +126,10 @@ class ArmSimulator:
         self.served += 1
         record = RolloutRecord(
             rollout_id=f"sim-{self.seed}-{self.served}",
-            tenant=TENANT,
+            tenant=self.tenant,
             arm=r.arm,
             policy_version=r.version,
+            line=self.line,
             served_model=served_model_name(self.job, BASE, r.version),
             user_hash=uhash,
             prompt=f"# request {self.served}\n",
@@ -141,7 +146,7 @@ class ArmSimulator:
     def serve(self, requests: int) -> Counter:
         """Serve ``requests`` simulated completions against the live table and rate each one through feedback;
         returns requests per (version, arm)."""
-        table = PolicyTable.from_redis(self.r.hgetall(self.keys.policy))
+        table = PolicyTable.from_redis(self.r.hgetall(self.line_keys.policy))
         batch = [self._request(table) for _ in range(requests)]
         for i in range(0, len(batch), 1000):  # within the feedback pipeliner's queue bound
             self._wire.runner.run(self._serve(batch[i : i + 1000]))
@@ -159,7 +164,7 @@ class ArmSimulator:
         ]
         rated = [asyncio.ensure_future(self._rate(w.feedback[n % w.LANES], q)) for n, q in enumerate(batch)]
         for reply in await asyncio.gather(*records):
-            w.gateway.acknowledged(TENANT, reply)
+            w.gateway.acknowledged(self.tenant, reply)
         await asyncio.gather(*rated)
 
     async def _rate(self, feedback: FeedbackStore, q: _Request) -> None:
@@ -169,14 +174,15 @@ class ArmSimulator:
         event = CompletionOutcome(
             completionId=f"{rec.rollout_id}-outcome", accepted=q.accepted, completion=rec.completion, prompt=rec.prompt
         )
-        decision = decide(event, TENANT, rec.prompt, [rec], self.feedback)
-        result = await feedback.append(event, TENANT, rec.prompt, decision, user_of(self.key(q.user)))
+        decision = decide(event, self.tenant, rec.prompt, [rec], self.feedback)
+        result = await feedback.append(event, self.tenant, rec.prompt, decision, user_of(self.key(q.user)))
         assert result.new and not result.limited, result  # every simulated outcome counts once
 
 
-def publish_loaded(r: redis.Redis, job: str, version: int) -> None:
-    """What the reloader of the one serving replica (``sim-0``) writes once it has loaded ``version``."""
+def publish_loaded(r: redis.Redis, job: str, version: int, line: str = "") -> None:
+    """What the reloader of the one serving replica (``sim-0``) writes once it has loaded ``version`` (of ``line``)."""
     from onlinerl.dataplane import versions
+    from onlinerl.lines import adapter_name
 
-    state = PolicyVersionState(version=version, state="loaded", served_model=f"{job}-v{version}")
-    versions.report(r, Keys(job), "sim-0", [state], ttl=3600)
+    state = PolicyVersionState(version=version, state="loaded", served_model=adapter_name(job, version, line))
+    versions.report(r, Keys(job).for_line(line), "sim-0", [state], ttl=3600)

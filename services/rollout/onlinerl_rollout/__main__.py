@@ -21,7 +21,8 @@ from onlinerl import ports
 from onlinerl.config import ConfigError, load_config
 from onlinerl.httpserve import MetricsHTTPServer
 from onlinerl.redisconn import connect as redis_connect
-from onlinerl_rollout.controller import Evaluator, RolloutController
+from onlinerl_rollout.controller import Evaluator
+from onlinerl_rollout.lines import LinesController
 
 DEFAULT_PORT = ports.ROLLOUT
 
@@ -33,7 +34,7 @@ def load_evaluator(spec: str) -> Evaluator:
     return getattr(importlib.import_module(module), attr)
 
 
-def serve_http(controller: RolloutController, port: int, interval: float) -> MetricsHTTPServer:
+def serve_http(controller: LinesController, port: int, interval: float) -> MetricsHTTPServer:
     """``/metrics`` (Prometheus) and ``/healthz`` (200 while ticks reach Redis or an eval runs, else 503)."""
 
     def health() -> tuple[bool, str]:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("redis.url: the rollout controller needs the job's Redis (set redis.url)")
         evaluator = load_evaluator(args.evaluator) if args.evaluator else None
         r = redis_connect(cfg.redis)
-        controller = RolloutController(r, cfg.job, cfg.rollout, evaluator)
+        controller = LinesController(r, cfg.job, cfg.rollout, cfg.projects, evaluator)
     except (ConfigError, ValueError, ImportError, AttributeError) as exc:
         print(f"onlinerl_rollout: error: {exc}", file=sys.stderr)
         return 2
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = serve_http(controller, args.port, args.interval)
     logging.getLogger("onlinerl_rollout").info(
-        "rollout controller for job %s (strategy %s) on :%d", cfg.job, cfg.rollout.strategy, args.port
+        "rollout controller for job %s (strategy %s, project lines: %s) on :%d",
+        cfg.job,
+        cfg.rollout.strategy,
+        cfg.projects.adapters,
+        args.port,
     )
     try:
         controller.run(stop, args.interval)

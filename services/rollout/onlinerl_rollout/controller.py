@@ -47,6 +47,7 @@ import redis
 from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.config import RolloutConfig
 from onlinerl.dataplane import holds
+from onlinerl.dataplane.lines import LineView
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import ArmStats, DecisionRecord, RolloutState
 from onlinerl.rollout.store import RolloutStore
@@ -81,13 +82,17 @@ class EvalRequest:
 
     ``enter_candidate``: call it after stable's requests and before the candidate's. In full-weight mode it puts the
     candidate into preview and returns once vLLM holds it (users wait meanwhile: keep the candidate's run short); it
-    raises ``preview.PreviewError`` if that does not happen in time."""
+    raises ``preview.PreviewError`` if that does not happen in time.
+
+    ``line``: the policy line both versions belong to ('' = the shared policy, else the project whose own adapter line
+    they are: its held-out samples where it has them, through one of its eval keys; gate_eval.py)."""
 
     job: str
     candidate: int
     stable: int
     samples: int
     enter_candidate: Callable[[], None] = field(default=_in_place, compare=False, repr=False)
+    line: str = ""
 
 
 Evaluator = Callable[[EvalRequest], GateInput]
@@ -95,6 +100,9 @@ DecisionHook = Callable[[DecisionRecord], None]
 
 
 class RolloutController:
+    """The rollout of one policy line: ``line`` '' is the shared policy, else a project's own adapter line (issue 39:
+    the same machinery on that line's keys, ``Keys.for_project``; lines.py ticks every line)."""
+
     def __init__(
         self,
         r: redis.Redis,
@@ -107,11 +115,13 @@ class RolloutController:
         metrics: RolloutMetrics | None = None,
         gate_attempts: int = 3,
         gate_retry_seconds: float = 2.0,
+        line: str = "",
     ) -> None:
         if cfg.controlled and cfg.gate.enabled and evaluator is None:
             raise ValueError("rollout.gate.enabled needs an evaluator (or set rollout.gate.enabled: false)")
         self.r = r
-        self.keys = Keys(job)
+        self.line = line
+        self.keys = Keys(job).for_line(line)
         self.store = RolloutStore(r, self.keys)
         self.cfg = cfg
         self.rules = DecisionRules.from_config(cfg)
@@ -131,24 +141,31 @@ class RolloutController:
         self.doing: str = ""  # this tick's activity for `onlinerl status` (store.say), "" when idle
         self._said: str | None = None  # the activity last written: written again only on change
 
+    @property
+    def said(self) -> str | None:
+        """The activity line this controller last wrote or found stored (None: it has not looked yet)."""
+        return self._said
+
     # --- the loop ----------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval: float = 5.0) -> None:
-        """Tick every ``interval`` s until ``stop`` is set; Redis outages are logged and retried, never fatal."""
-        while not stop.is_set():
-            try:
-                self.tick()
-            except redis.RedisError as exc:
-                log.warning("rollout tick failed (will retry): %s", exc)
-            stop.wait(interval)
+        """Tick every ``interval`` s until ``stop`` is set (``run_ticks``)."""
+        run_ticks(self.tick, stop, interval)
 
-    def tick(self) -> list[DecisionRecord]:
-        """One pass; returns the decisions recorded in it."""
+    def tick(self, view: LineView | None = None) -> list[DecisionRecord]:
+        """One pass; returns the decisions recorded in it. ``view``: this line's policy table, verdicts and version
+        states already read (``dataplane.lines.views``, one pipeline for every line): a line with nothing to do
+        then costs no read of its own."""
         if not self.cfg.controlled:
             self.last_tick_ok = time.monotonic()
             return []
-        table = self.store.policy()
+        if view is not None and self._said is None and view.activity is not None:
+            self._said = view.activity  # what is stored: rewritten only when it changes, not once per line at start
+        if view is not None and self.idle(view):
+            self.last_tick_ok = time.monotonic()
+            return []
+        table = self.store.policy() if view is None else view.table
         self.doing = ""
-        out = self._start_candidate(table) if table.candidate is None else self._judge_candidate(table)
+        out = self._start_candidate(table, view) if table.candidate is None else self._judge_candidate(table)
         self._say(self.doing)
         self.last_tick_ok = time.monotonic()
         return out
@@ -159,11 +176,20 @@ class RolloutController:
             self.store.say(activity, self.clock())
             self._said = activity
 
+    def idle(self, view: LineView) -> bool:
+        """Nothing to do on this line: no candidate, no version to gate or drop, and no activity line to clear."""
+        if view.table.candidate is not None or self._said != "":
+            return False
+        stable = view.table.stable
+        return not any(
+            s.state in self._gateable and v > stable and v not in view.verdicts for v, s in view.versions.items()
+        )
+
     # --- gate ----------------------------------------------------------------------------------------------------
-    def _start_candidate(self, table: PolicyTable) -> list[DecisionRecord]:
+    def _start_candidate(self, table: PolicyTable, view: LineView | None = None) -> list[DecisionRecord]:
         self.metrics.no_canary()
-        judged = self.store.states()
-        known = self.store.versions()
+        judged = self.store.states() if view is None else view.verdicts
+        known = self.store.versions() if view is None else view.versions
         unjudged = sorted(
             v for v, s in known.items() if s.state in self._gateable and v > table.stable and v not in judged
         )
@@ -259,7 +285,7 @@ class RolloutController:
             return None  # backing off after an evaluator error
         self.preview = self._new_preview(version) if needs_preview else None
         enter = self.preview.enter if self.preview is not None else _in_place
-        req = EvalRequest(self.keys.job, version, stable, self.cfg.gate.eval_samples, enter)
+        req = EvalRequest(self.keys.job, version, stable, self.cfg.gate.eval_samples, enter, self.line)
         # Both versions stay loaded for the whole eval: on CPU it takes minutes while the trainer keeps publishing,
         # and without a hold the reloader retired the candidate under it (keepVersions), failing its requests.
         held = holds.hold(self.r, self.keys, [stable, version], GATE_HOLD_SECONDS, holder=GATE_HOLDER)
@@ -518,6 +544,16 @@ class RolloutController:
                 hook(rec)
             except Exception:
                 log.exception("on_decision hook failed for %s", rec.decision)
+
+
+def run_ticks(tick: Callable[[], object], stop: threading.Event, interval: float) -> None:
+    """Call ``tick`` every ``interval`` s until ``stop`` is set; Redis outages are logged and retried, never fatal."""
+    while not stop.is_set():
+        try:
+            tick()
+        except redis.RedisError as exc:
+            log.warning("rollout tick failed (will retry): %s", exc)
+        stop.wait(interval)
 
 
 def canary_wait(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,15 +158,24 @@ def write_keys_file(path: Path, tenants: dict[str, list[str | dict[str, str]]]) 
     return write_secret(path, yaml.safe_dump({"tenants": {t: {"keys": ks} for t, ks in tenants.items()}}))
 
 
-def key_with_role(path: str | Path, roles: tuple[str, ...] = ("eval", "admin")) -> tuple[str, str]:
+def key_with_role(
+    path: str | Path,
+    roles: tuple[str, ...] = ("eval", "admin"),
+    tenant_ok: Callable[[str], bool] | None = None,
+    wanted: str = "a tenant",
+) -> tuple[str, str]:
     """``(key, tenant)`` of the first key in the keys file whose role is in ``roles`` (the rollout gate and
-    `onlinerl eval` pin versions, which a ``user`` key may not)."""
+    `onlinerl eval` pin versions, which a ``user`` key may not). ``tenant_ok``: only keys of tenants it accepts (a
+    project's own policy line is reached through that project's keys: issue 39), named ``wanted`` in the error."""
     tenants = (yaml.safe_load(Path(path).read_text()) or {}).get("tenants") or {}
     for tenant, spec in tenants.items():
+        if tenant_ok is not None and not tenant_ok(str(tenant)):
+            continue
         for i, item in enumerate((spec or {}).get("keys") or []):
             key, role = _entry(str(tenant), i, item)
             if role in roles:
                 return key, str(tenant)
     raise AuthConfigError(
-        f"{path} has no key with role {' or '.join(roles)}: add one as `{{key: <key>, role: eval}}` under a tenant"
+        f"{path} has no key with role {' or '.join(roles)} of {wanted}: add one as `{{key: <key>, role: eval}}` "
+        f"under {wanted}"
     )

@@ -241,3 +241,57 @@ def test_a_tick_over_many_lines_reads_them_in_one_pipeline(redis_client, idle_li
         f"({lines * 3 + 3} commands in 4 round trips); {canaries} gates {gate_tick * 1000:.0f} ms; "
         f"tick with {canaries} canaries {canary_tick * 1000:.1f} ms ({per_canary:.1f} reads per canary: {stats})"
     )
+
+
+def test_a_project_line_is_gated_on_its_own_held_out_samples_through_its_own_eval_key(tmp_path) -> None:
+    """gate_eval: a project's split (projects/<p>/test.jsonl beside the shared one) where it has one, else the
+    shared split; always through an eval key of that project, and the shared line through a key of a tenant without
+    a line of its own (a key of a project with its own line would reach that line)."""
+    from onlinerl.auth import AuthConfigError, write_keys_file
+    from onlinerl_rollout.gate_eval import eval_key, held_out
+
+    shared = tmp_path / "data" / "test.jsonl"
+    own = tmp_path / "data" / "projects" / "acme" / "test.jsonl"
+    own.parent.mkdir(parents=True)
+    shared.write_text("")
+    own.write_text("")
+    assert held_out(shared, "") == (shared, False)
+    assert held_out(shared, "acme") == (own, True)
+    assert held_out(shared, "beta") == (shared, False)  # beta has no held-out code of its own yet
+
+    keys = write_keys_file(
+        tmp_path / "keys.yaml",
+        {
+            "acme": ["sk-acme-user", {"key": "sk-acme-eval", "role": "eval"}],
+            "beta": ["sk-beta-user"],
+            "ops": [{"key": "sk-ops-eval", "role": "eval"}],
+        },
+    )
+    own_line = ProjectsConfig(adapters="listed", listed=["acme", "beta"]).has_own_line
+    assert eval_key(str(keys), "acme", own_line) == ("sk-acme-eval", "acme")
+    assert eval_key(str(keys), "", own_line) == ("sk-ops-eval", "ops")  # not acme's: that reaches acme's line
+    with pytest.raises(AuthConfigError, match="no key with role eval or admin of project 'beta'"):
+        eval_key(str(keys), "beta", own_line)  # a user key may not pin, and another project's eval key is not beta's
+
+
+def test_onlinerl_policy_project_refuses_a_project_without_a_line_and_a_hostile_name(redis_client, capsys) -> None:
+    """A typo must not create a policy table that nobody serves, and a name that could reach another line's keys is
+    refused before Redis is touched: exit 2 with what to fix, nothing written."""
+    from onlinerl.cli import main
+
+    r = redis_client
+    start_line(r, "acme")
+    dataplane_lines.register(r, K, "acme")
+    kw = r.connection_pool.connection_kwargs
+    url = f"redis://{kw['host']}:{kw['port']}"
+    before = sorted(r.keys("*"))
+    assert main(["policy", "--redis-url", url, "--job", JOB, "--project", "acmee", "pin", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "project 'acmee' has no policy line of its own" in err and "(project lines: ['acme'])" in err
+    for hostile in ("acme:x", "a}b", "../acme"):
+        assert main(["policy", "--redis-url", url, "--job", JOB, "--project", hostile, "rollback"]) == 2
+        assert "not allowed" in capsys.readouterr().err
+    assert sorted(r.keys("*")) == before
+    # the real line: show prints acme's table, not the shared one
+    assert main(["policy", "--redis-url", url, "--job", JOB, "--project", "acme", "show"]) == 0
+    assert '"stable": 0' in capsys.readouterr().out

@@ -33,7 +33,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                text = render(collect(r, cfg.job))
+                text = render(collect(r, cfg.job, cfg.projects.listed))
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 raise CommandError(
                     f"cannot reach Redis at {redacted(cfg.redis.url)}: {exc} (is the stack running?)"

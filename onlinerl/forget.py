@@ -9,7 +9,9 @@ What is deleted, in this order (each by the module of its key family, as the adm
 4. per-user counters: contribution counters, user statistics, quarantine mark (by the key id) and the canaries'
    per-user ledger fields (by the user hash); tenant-wide also the idempotency marks.
 Then the lineage: every announced version whose manifest lists the user (tenant) among its contributors, and every
-later version trained from one of those (its descendants carry what it learned).
+later version trained from one of those (its descendants carry what it learned), on the shared policy's line and on
+the tenant's own adapter line when it has one (issue 39: a project's samples train its own line; the per-user
+ledgers of every line are cleared in step 4).
 
 Concurrent writers (what is guaranteed): everything written before ``forget`` started is deleted, except a sample a
 trainer had already read and not yet acknowledged (the report counts them: it may still train them into its next
@@ -53,6 +55,9 @@ class ForgetReport:
     samples_already_read_by_trainer: int = 0
     trained_versions: list[int] = field(default_factory=list)
     descendant_versions: list[int] = field(default_factory=list)
+    # the tenant's own adapter line (issue 39), when it has announced versions: the same two lists on that line
+    own_line_trained_versions: list[int] = field(default_factory=list)
+    own_line_descendant_versions: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -97,5 +102,8 @@ def forget(client: redis.Redis, keys: Keys, who: Who) -> ForgetReport:
     }
     report.trained_versions, report.descendant_versions = trained_on(
         checkpoints.lineage(client, keys), who.tenant, who.user_hash
+    )
+    report.own_line_trained_versions, report.own_line_descendant_versions = trained_on(
+        checkpoints.lineage(client, keys.for_project(who.tenant)), who.tenant, who.user_hash
     )
     return report

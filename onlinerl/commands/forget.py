@@ -66,6 +66,12 @@ def _forget(args: argparse.Namespace) -> int:
             f"versions trained on this data: {', '.join(f'v{v}' for v in versions)} "
             "(roll back past them with `onlinerl policy rollback N` if they must not be served)"
         )
+    own = report.own_line_trained_versions + report.own_line_descendant_versions
+    if own:
+        print(
+            f"versions of project {args.tenant}'s own adapter line trained on this data: "
+            f"{', '.join(f'v{v}' for v in own)} (`onlinerl policy --project {args.tenant} rollback N`)"
+        )
     if report.samples_already_read_by_trainer:
         print(
             f"{report.samples_already_read_by_trainer} deleted sample(s) had already been read by the trainer: its "

@@ -66,6 +66,11 @@ def read(client: redis.Redis, keys: Keys) -> list[str]:
     return registered(client.smembers(keys.lines))
 
 
+async def read_async(client: Any, keys: Keys) -> list[str]:
+    """:func:`read` on an asyncio client (serving)."""
+    return registered(await client.smembers(keys.lines))
+
+
 def exists(client: redis.Redis, keys: Keys, line: str) -> bool:
     """Whether project ``line`` is a line of the job: registered, or it has a policy table (a listed project's line
     before its first version). `onlinerl policy --project` acts only on one (a typo must not create a table)."""

@@ -39,9 +39,10 @@ def read_users(client: redis.Redis, keys: Keys, version: int, arm: Arm, canary: 
 
 
 def read_all(client: redis.Redis, keys: Keys) -> dict[tuple[int, str], dict[str, int]]:
-    """Every (version, arm)'s counters (SCAN: for `onlinerl status`, not for a hot path; per-user ledgers skipped)."""
+    """Every (version, arm)'s counters of ``keys``' line (SCAN: for `onlinerl status`, not for a hot path; per-user
+    ledgers skipped)."""
     out: dict[tuple[int, str], dict[str, int]] = {}
-    for key in client.scan_iter(match=f"{keys.prefix}stats:v*", count=500):
+    for key in client.scan_iter(match=f"{keys.line_prefix}stats:v*", count=500):
         if ":users:" in text(key):
             continue
         version, arm = text(key).rsplit(":", 2)[-2:]
@@ -54,12 +55,14 @@ def read_all(client: redis.Redis, keys: Keys) -> dict[tuple[int, str], dict[str,
 
 def forget_users(client: redis.Redis, keys: Keys, users: set[str]) -> int:
     """`onlinerl forget` (admin): delete ``users``' fields (``<user>:<counter>``) from every canary's per-user ledger
-    (``Keys.arm_users``); the arm totals stay (they name no one). Returns the fields deleted."""
+    (``Keys.arm_users``) on every policy line, the shared one and each project's (issue 39); the arm totals stay
+    (they name no one). Returns the fields deleted."""
     deleted = 0
     if not users:
         return 0
-    for key in client.scan_iter(match=f"{keys.prefix}stats:v*:users:*", count=500):
-        fields = [f for f, _ in str_map(client.hgetall(key)).items() if f.rpartition(":")[0] in users]
-        if fields:
-            deleted += int(client.hdel(key, *fields))
+    for pattern in ("stats:v*:users:*", "p:*:stats:v*:users:*"):
+        for key in client.scan_iter(match=f"{keys.prefix}{pattern}", count=500):
+            fields = [f for f, _ in str_map(client.hgetall(key)).items() if f.rpartition(":")[0] in users]
+            if fields:
+                deleted += int(client.hdel(key, *fields))
     return deleted

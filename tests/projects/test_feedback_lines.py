@@ -169,3 +169,26 @@ def test_the_silence_sweeper_counts_a_silence_on_the_served_line_and_never_on_a_
     assert r.hget(K.for_project("acme").stats(3, "stable"), "silent") == b"1"
     assert r.hget(K.stats(3, "stable"), "silent") == b"1"  # beta's shared-line silence only
     assert [(s["rollout_id"], s["line"]) for s in samples(r)] == [("s1", "acme"), ("s3", "")]
+
+
+def test_forget_clears_the_users_ledgers_on_every_line_and_names_the_own_lines_versions(redis_client, empty_valkey):
+    """`onlinerl forget` (issue 38) on a tenant with its own adapter line: the user's per-user ledger fields go from
+    the project line's canaries too, and the versions of the tenant's own line trained on the user are named (its
+    samples train that line: a forget that looked at the shared line only would miss them)."""
+    from onlinerl.forget import Who, forget
+
+    r = redis_client
+    acme = K.for_project("acme")
+    rate(empty_valkey.url, record("a1", "acme", "acme", 2, "candidate", canary=2), accepted=True)
+    rate(empty_valkey.url, record("b1", "beta", "", 1, "stable", canary=1), accepted=True)
+    assert any(k.startswith("u-acme:") for k in counters(r, acme.arm_users(2, "candidate", 2)))
+    r.xadd(acme.checkpoints, {"version": 1, "parent_version": 0, "contributors": '{"acme": ["u-acme"]}'})
+    r.xadd(acme.checkpoints, {"version": 2, "parent_version": 1, "contributors": "{}"})
+    r.xadd(K.checkpoints, {"version": 1, "parent_version": 0, "contributors": '{"beta": ["u-beta"]}'})
+    report = forget(r, K, Who("acme", "u-acme"))
+    assert report.deleted["ledger_fields"] >= 1
+    assert not any(k.startswith("u-acme:") for k in counters(r, acme.arm_users(2, "candidate", 2)))
+    assert counters(r, acme.stats(2, "candidate"))["accepted"] == 1  # the arm totals name no one: they stay
+    assert counters(r, K.arm_users(1, "stable", 1))["u-beta:accepted"] == 1  # another tenant's user: untouched
+    assert (report.trained_versions, report.descendant_versions) == ([], [])
+    assert (report.own_line_trained_versions, report.own_line_descendant_versions) == ([1], [2])

@@ -21,6 +21,10 @@ CONTINUE_TEMPERATURE = 0.01
 POLICY_VERSION_HEADER = "x-onlinerl-policy-version"
 ARM_HEADER = "x-onlinerl-arm"
 PIN_VERSION_HEADER = "X-OnlineRL-Version"
+# The policy line a pinned version is on (issue 39): an eval key of project P pins a version of P's own line with it
+# (the gateway refuses another project's); absent, the shared line. The gateway answers with the line that served.
+PIN_LINE_HEADER = "X-OnlineRL-Line"
+LINE_HEADER = "x-onlinerl-line"
 
 
 @dataclass
@@ -30,6 +34,7 @@ class CompletionResult:
     error: str = ""
     version: int | None = None
     arm: str = ""
+    line: str | None = None  # the policy line that served it (None: the gateway did not say)
     ttft_ms: float | None = None
     latency_ms: float = 0.0
     finish_reason: str | None = None
@@ -61,6 +66,7 @@ class ContinueClient:
     template: FimTemplate
     max_tokens: int = 64
     unique_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    pin_line: str = ""  # the line of the versions it pins ('' = the shared line; else its own project's)
 
     def completion_body(self, prompt: str) -> dict:
         return {
@@ -76,6 +82,8 @@ class ContinueClient:
         h = {"Authorization": f"Bearer {self.api_key}", "api-key": self.api_key, "Content-Type": "application/json"}
         if pin_version is not None:
             h[PIN_VERSION_HEADER] = str(pin_version)
+            if self.pin_line:
+                h[PIN_LINE_HEADER] = self.pin_line
         return h
 
     async def complete(self, http: httpx.AsyncClient, prompt: str, pin_version: int | None = None) -> CompletionResult:
@@ -93,6 +101,7 @@ class ContinueClient:
                 if r.headers.get(POLICY_VERSION_HEADER):
                     res.version = int(r.headers[POLICY_VERSION_HEADER])
                 res.arm = r.headers.get(ARM_HEADER, "")
+                res.line = r.headers.get(LINE_HEADER)
                 if r.status_code != 200:
                     res.error = (await r.aread()).decode(errors="replace")[:500]
                     return res

@@ -48,7 +48,10 @@ async def run_version(
             res = await client.complete(http, client.template.render(prefix, s.suffix), pin_version=version)
             if res.version is not None:
                 served.add(res.version)
-            wrong = res.version is not None and res.version != version
+            # served by another version, or (issue 39) by the same number of another policy line
+            wrong = (res.version is not None and res.version != version) or (
+                res.line is not None and res.line != client.pin_line
+            )
             records.append(
                 EvalRecord(
                     s.id,

@@ -303,3 +303,17 @@ def test_onlinerl_policy_project_refuses_a_project_without_a_line_and_a_hostile_
     # the real line: show prints acme's table, not the shared one
     assert main(["policy", "--redis-url", url, "--job", JOB, "--project", "acme", "show"]) == 0
     assert '"stable": 0' in capsys.readouterr().out
+
+
+def test_the_gates_requests_pin_a_version_on_the_gated_line() -> None:
+    """The evaluator's client pins ``X-OnlineRL-Version`` with ``X-OnlineRL-Line: <project>`` for a project line (the
+    gateway refuses another project's line for the key), and sends no line for the shared one."""
+    from onlinerl.fim import get_template
+    from onlinerl.loop.continue_client import PIN_LINE_HEADER, PIN_VERSION_HEADER, ContinueClient
+
+    def client(line: str) -> ContinueClient:
+        return ContinueClient("http://gw/v1", "", "sk-acme-eval", "acme", "m", get_template("qwen"), pin_line=line)
+
+    assert client("acme").headers(3)[PIN_VERSION_HEADER] == "3" and client("acme").headers(3)[PIN_LINE_HEADER] == "acme"
+    assert PIN_LINE_HEADER not in client("").headers(3)
+    assert PIN_LINE_HEADER not in client("acme").headers(None)  # user traffic: routed by the key, nothing pinned

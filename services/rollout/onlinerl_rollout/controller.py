@@ -161,6 +161,7 @@ class RolloutController:
         if view is not None and self._said is None and view.activity is not None:
             self._said = view.activity  # what is stored: rewritten only when it changes, not once per line at start
         if view is not None and self.idle(view):
+            self.metrics.no_canary()  # as _start_candidate would (in memory: a stale canary's gauges are cleared)
             self.last_tick_ok = time.monotonic()
             return []
         table = self.store.policy() if view is None else view.table

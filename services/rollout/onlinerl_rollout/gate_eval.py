@@ -90,7 +90,15 @@ def evaluate(req: EvalRequest) -> GateInput:
 
     def factory(uid: int) -> ContinueClient:
         return ContinueClient(
-            api_base, "", key, tenant, cfg.model.served_name, template, max_tokens=48, unique_id=f"gate-{uid}"
+            api_base,
+            "",
+            key,
+            tenant,
+            cfg.model.served_name,
+            template,
+            max_tokens=48,
+            unique_id=f"gate-{uid}",
+            pin_line=req.line,  # a project line's versions: pinned on that line (X-OnlineRL-Line)
         )
 
     ids = tuple(s.id for s in samples)

@@ -3,10 +3,10 @@
 Each phase starts the serving part of `onlinerl up` (``start_stack(..., serving_only=True)``: valkey, N x (vLLM +
 gateway + reloader), and with N = 2 the balancer) on the tiny random model (tests/conftest.py), ``rollout.strategy:
 direct``, then:
-  latency   sequential streaming requests, interleaved round-robin over the paths (so machine noise hits all alike):
-            ``direct`` (replica 0's vLLM, the client's body), ``gateway`` (replica 0's own gateway) and, with N = 2,
-            ``front`` (the balancer on the configured port, in front of both gateways); p50/p95 of the stream's total
-            and time to first token, and the paired median of (path - direct) per round;
+  latency   sequential requests, non-stream and stream, interleaved round-robin over the paths (so machine noise
+            hits all alike): ``direct`` (replica 0's vLLM, the client's body), ``gateway`` (replica 0's own gateway)
+            and, with N = 2, ``front`` (the balancer on the configured port, in front of both gateways); p50/p95 of
+            the totals, time to the first text event, and the paired median of (path - direct) per round;
   switch    for v1..vK: XADD the announcement (the trainer's last publishing step) -> the policy table's stable is vK
             (every live replica has loaded it; polled every 5 ms): the time users wait for a new version.
 
@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+import orjson
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +41,10 @@ from onlinerl.loop.stack import LocalPorts, Stack, start_stack  # noqa: E402
 from onlinerl.valkey import free_port  # noqa: E402
 from tests.serving.lora_helpers import announce, write_lora_checkpoint  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+import serving_latency  # noqa: E402  (one request body and one timer for both latency benchmarks)
+
 JOB = "bench"
-PROMPT = "import os\n\ndef read_config(path):\n    with open(path) as f:\n        return "
 
 
 def start(n: int, state: Path, model: Path, ckpt: Path) -> Stack:
@@ -58,38 +61,36 @@ def start(n: int, state: Path, model: Path, ckpt: Path) -> Stack:
     return start_stack(cfg, state, build_data=False, ports=ports, serving_only=True, on_step=lambda m: None)
 
 
-def timed(client: httpx.Client, url: str, body: dict, headers: dict) -> tuple[float, float]:
-    """(time to the first text chunk, total) of one streaming request, in seconds."""
-    t0 = time.perf_counter()
-    ttft = None
-    with client.stream("POST", url, json=body, headers=headers) as resp:
-        resp.raise_for_status()
-        for chunk in resp.iter_raw():
-            if ttft is None and b'"text":"' in chunk and b'"text":""' not in chunk:
-                ttft = time.perf_counter() - t0
-    total = time.perf_counter() - t0
-    return (ttft if ttft is not None else total), total
-
-
 def latency(stack: Stack, n: int, warmup: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
+    """Per path: non-stream total, stream TTFT (first event with text) and stream total, requests interleaved.
+    Every path sends the same Continue-shaped body at the gateway's exploration temperature (serving_latency.body):
+    at temperature 0 vLLM alone decoded other text than the gateway served (bench/RESULTS.md, 2026-11-28)."""
     rep = stack.replicas[0]
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-    direct = {**body, "model": stack.cfg.model.served_name}
-    auth = {"Authorization": f"Bearer {stack.api_key}"}
+    auth = {"content-type": "application/json", "authorization": f"Bearer {stack.api_key}"}
+    plain = {"content-type": "application/json"}
     paths = [
-        ("direct", f"http://127.0.0.1:{rep.engine}/v1/completions", direct, {}),
-        ("gateway", f"{rep.gateway_url}/v1/completions", body, auth),
+        ("direct", f"http://127.0.0.1:{rep.engine}/v1/completions", plain),
+        ("gateway", f"{rep.gateway_url}/v1/completions", auth),
     ]
     if len(stack.replicas) > 1:
-        paths.append(("front", f"http://127.0.0.1:{stack.cfg.serving.port}/v1/completions", body, auth))
-    out = {name: {"ttft": [], "total": []} for name, *_ in paths}
+        paths.append(("front", f"http://127.0.0.1:{stack.cfg.serving.port}/v1/completions", auth))
+    bodies = {
+        stream: orjson.dumps({**serving_latency.body(stream, max_tokens), "model": stack.cfg.model.served_name})
+        for stream in (False, True)
+    }
+    out = {name: {"ttft": [], "total": [], "nonstream": []} for name, *_ in paths}
     with httpx.Client(timeout=120) as client:
         for i in range(warmup + n):
-            for name, url, payload, headers in paths if i % 2 == 0 else list(reversed(paths)):
-                ttft, total = timed(client, url, payload, headers)
-                if i >= warmup:
-                    out[name]["ttft"].append(ttft)
-                    out[name]["total"].append(total)
+            for stream in (False, True):
+                for name, url, headers in paths if i % 2 == 0 else list(reversed(paths)):
+                    ttft, total = serving_latency.timed(client, url, bodies[stream], headers, stream)
+                    if i < warmup:
+                        continue
+                    if stream:
+                        out[name]["ttft"].append(ttft)
+                        out[name]["total"].append(total)
+                    else:
+                        out[name]["nonstream"].append(total)
     return out
 
 
@@ -124,15 +125,19 @@ def paired_median(a: list[float], b: list[float]) -> float:
 
 def report(results: dict) -> str:
     rows = [
-        "| replicas | path | stream total p50 ms | p95 ms | TTFT p50 ms | p95 ms | added vs direct, paired median ms |",
-        "|---|---|---|---|---|---|---|",
+        "| replicas | path | non-stream total p50 ms | added vs direct ms | stream total p50 ms | p95 ms | "
+        "added vs direct ms | TTFT p50 ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, res in results["latency"].items():
         for name, m in res.items():
-            added = paired_median(m["total"], res["direct"]["total"]) * 1e3 if name != "direct" else 0.0
+            direct = res["direct"]
+            added_ns = paired_median(m["nonstream"], direct["nonstream"]) * 1e3 if m.get("nonstream") else 0.0
+            added = paired_median(m["total"], direct["total"]) * 1e3
+            ns = f"{pct(m['nonstream'], 0.5) * 1e3:.2f}" if m.get("nonstream") else "-"
             rows.append(
-                f"| {n} | {name} | {pct(m['total'], 0.5) * 1e3:.1f} | {pct(m['total'], 0.95) * 1e3:.1f} | "
-                f"{pct(m['ttft'], 0.5) * 1e3:.1f} | {pct(m['ttft'], 0.95) * 1e3:.1f} | {added:+.1f} |"
+                f"| {n} | {name} | {ns} | {added_ns:+.2f} | {pct(m['total'], 0.5) * 1e3:.2f} | "
+                f"{pct(m['total'], 0.95) * 1e3:.2f} | {added:+.2f} | {pct(m['ttft'], 0.5) * 1e3:.2f} |"
             )
     rows += ["", "| replicas | announce -> table switched, s (each switch) | median s |", "|---|---|---|"]
     for n, times in results["switch"].items():

@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--versions",
         default="0,latest",
-        help="comma list of versions; `latest` = newest loaded, `stable` = what the policy table serves users",
+        help="comma list of versions; `latest` = newest loaded, `stable` = what the policy table serves users; "
+        "`PROJECT:V` (e.g. alpha:latest) is a version of that project's own adapter line, evaluated with that "
+        "project's eval key (--tenant PROJECT); the first is the base every other is compared with",
     )
     p.add_argument("--out", type=Path, default=None, help="output directory (default: <state>/eval)")
     p.add_argument(
@@ -57,33 +59,59 @@ def resolve_versions(spec: str, latest: Callable[[], int], stable: Callable[[], 
     return list(dict.fromkeys(out))
 
 
-def _read_table(cfg, read: Callable) -> int:
-    """``read(client, keys)`` on a short-lived connection to the job's Redis."""
+def resolve_line_versions(
+    spec: str, latest: Callable[[str], int], stable: Callable[[str], int], tenant: str | None
+) -> list[tuple[str, int]]:
+    """``--versions`` with policy lines: ``[(line, version)]`` in order, without repeats; ``''`` is the shared line.
+    A project line's versions are pinned with that project's own key, so every project named must be ``tenant``."""
+    from onlinerl.errors import CommandError
+
+    out: list[tuple[str, int]] = []
+    for token in (t.strip() for t in spec.split(",")):
+        line, _, version = token.rpartition(":")
+        if line and line != tenant:
+            raise CommandError(
+                f"--versions: {token!r} is a version of project {line!r}'s line: evaluate it with that project's "
+                f"key (--tenant {line}); one evaluation compares one project's line with the shared one"
+            )
+        out += [(line, v) for v in resolve_versions(version, lambda ln=line: latest(ln), lambda ln=line: stable(ln))]
+    return list(dict.fromkeys(out))
+
+
+def run_name(line: str, version: int) -> str:
+    """A run's name in the report and its results file: ``v3`` on the shared line, ``alpha-v3`` on alpha's."""
+    return f"{line}-v{version}" if line else f"v{version}"
+
+
+def _read_table(cfg, read: Callable, line: str = "") -> int:
+    """``read(client, keys)`` on a short-lived connection to the job's Redis (``line``'s keys)."""
     from onlinerl.keys import Keys
     from onlinerl.redisconn import connect as redis_connect
 
     r = redis_connect(cfg.redis)
     try:
-        return read(r, Keys(cfg.job))
+        keys = Keys(cfg.job)
+        return read(r, keys.for_project(line) if line else keys)
     finally:
         r.close()
 
 
-def stable_version(cfg) -> int:
+def stable_version(cfg, line: str = "") -> int:
     from onlinerl.dataplane import policy
 
-    return _read_table(cfg, lambda r, keys: policy.read(r, keys).stable)
+    return _read_table(cfg, lambda r, keys: policy.read(r, keys).stable, line)
 
 
-def latest_loaded_version(cfg) -> int:
+def latest_loaded_version(cfg, line: str = "") -> int:
     from onlinerl.dataplane import versions
 
-    return _read_table(cfg, lambda r, keys: max(versions.read(r, keys).loaded(), default=0))
+    return _read_table(cfg, lambda r, keys: max(versions.read(r, keys).loaded(), default=0), line)
 
 
 @contextlib.contextmanager
-def held_versions(cfg, versions: list[int], timeout_s: float = 180.0) -> Iterator[None]:
-    """Hold ``versions`` loaded for the evaluation (:mod:`onlinerl.dataplane.holds`) and wait until serving has them.
+def held_versions(cfg, versions: list[int], timeout_s: float = 180.0, line: str = "") -> Iterator[None]:
+    """Hold ``versions`` of ``line`` loaded for the evaluation (:mod:`onlinerl.dataplane.holds`) and wait until
+    serving has them.
 
     Without it a trainer that keeps publishing gets the evaluated version retired mid-run (409 per request).
     """
@@ -93,7 +121,7 @@ def held_versions(cfg, versions: list[int], timeout_s: float = 180.0) -> Iterato
     from onlinerl.procs import wait_for
     from onlinerl.redisconn import connect as redis_connect
 
-    keys = Keys(cfg.job)
+    keys = Keys(cfg.job).for_project(line) if line else Keys(cfg.job)
     r = redis_connect(cfg.redis)
     held = hold(r, keys, versions)
     try:
@@ -102,8 +130,9 @@ def held_versions(cfg, versions: list[int], timeout_s: float = 180.0) -> Iterato
             return set(held) <= version_states.read(r, keys).loaded()
 
         if held:
-            print(f"[eval] holding versions {held} loaded while evaluating", file=sys.stderr)
-            wait_for(loaded, timeout=timeout_s, interval=1.0, what=f"serving to load held versions {held}")
+            where = f" of project {line}'s line" if line else ""
+            print(f"[eval] holding versions {held}{where} loaded while evaluating", file=sys.stderr)
+            wait_for(loaded, timeout=timeout_s, interval=1.0, what=f"serving to load held versions {held}{where}")
         yield
     finally:
         release(r, keys, held)
@@ -114,35 +143,48 @@ def _eval(args: argparse.Namespace) -> int:
     if args.from_results is not None:
         return _report_from_results(args.from_results, args.out)
     cfg, samples, factory = make_client_factory(args, "test")
-    versions = resolve_versions(args.versions, lambda: latest_loaded_version(cfg), lambda: stable_version(cfg))
+    runs = resolve_line_versions(
+        args.versions,
+        lambda line: latest_loaded_version(cfg, line),
+        lambda line: stable_version(cfg, line),
+        getattr(args, "tenant", None),
+    )
     out = args.out or args.state / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    with held_versions(cfg, versions):
-        return _run_eval(args, cfg, samples, factory, versions, out)
+    with contextlib.ExitStack() as holding:
+        for line in dict.fromkeys(line for line, _ in runs):
+            holding.enter_context(held_versions(cfg, [v for ln, v in runs if ln == line], line=line))
+        return _run_eval(args, cfg, samples, factory, runs, out)
 
 
-def _run_eval(args, cfg, samples, factory, versions: list[int], out: Path) -> int:
+def _run_eval(args, cfg, samples, factory, runs_wanted: list[tuple[str, int]], out: Path) -> int:
     from onlinerl.loop.evaluate import run_version
 
     runs, judged = {}, {}
-    for v in versions:  # resolve_versions: in order, each once
+    for line, v in runs_wanted:  # resolve_line_versions: in order, each once
         done = {"n": 0}
+        name = run_name(line, v)
 
-        def tick(total=len(samples), v=v, done=done) -> None:
+        def tick(total=len(samples), name=name, done=done) -> None:
             done["n"] += 1
             if sys.stderr.isatty():
-                print(f"\r[eval] v{v}: {done['n']}/{total}", end="", file=sys.stderr, flush=True)
+                print(f"\r[eval] {name}: {done['n']}/{total}", end="", file=sys.stderr, flush=True)
             elif done["n"] % max(1, total // 10) == 0 or done["n"] == total:  # a log file gets a line per 10%
-                print(f"[eval] v{v}: {done['n']}/{total}", file=sys.stderr, flush=True)
+                print(f"[eval] {name}: {done['n']}/{total}", file=sys.stderr, flush=True)
 
-        run = asyncio.run(run_version(samples, factory, v, args.concurrency, tick, args.max_prefix_chars))
+        def on_line(uid: int, line=line):
+            client = factory(uid)
+            client.pin_line = line  # a project line's version is pinned on that line (X-OnlineRL-Line)
+            return client
+
+        run = asyncio.run(run_version(samples, on_line, v, args.concurrency, tick, args.max_prefix_chars))
         print(file=sys.stderr)
-        runs[f"v{v}"] = run.records
-        with open(out / f"v{v}.jsonl", "w") as f:
+        runs[name] = run.records
+        with open(out / f"{name}.jsonl", "w") as f:
             for r in run.records:
                 f.write(json.dumps(r.__dict__) + "\n")
         if args.judge_url:
-            judged[f"v{v}"] = asyncio.run(_judge_all(args, samples, run.records))
+            judged[name] = asyncio.run(_judge_all(args, samples, run.records))
     write_report(runs, out, judged)
     timeline = args.timeline or args.state / "timeline.jsonl"
     if timeline.is_file():

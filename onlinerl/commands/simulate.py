@@ -15,6 +15,11 @@ def add_client_args(p: argparse.ArgumentParser, split: str = "train") -> None:
     p.add_argument("--state", type=Path, default=DEFAULT_STATE)
     p.add_argument("--api-base", default=None, help="default: the local gateway, http://127.0.0.1:<port>/v1")
     p.add_argument("--api-key", default=None, help="default: the local demo key")
+    p.add_argument(
+        "--tenant",
+        default=None,
+        help="use the local keys of this project (one of projects.listed; default: the demo project)",
+    )
     p.add_argument("--template", default=None, help="FIM template (default: the model's, auto-detected)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4)
@@ -83,9 +88,10 @@ def make_client_factory(args: argparse.Namespace, split: str):
     from onlinerl.loop.local import local_api_key, local_config, local_user_keys, template_for
 
     cfg = local_config(args.state, args.config)
-    key, project = local_api_key(args.state, args.api_key, "eval" if split == "test" else "user")  # eval pins
+    tenant = getattr(args, "tenant", None)
+    key, project = local_api_key(args.state, args.api_key, "eval" if split == "test" else "user", tenant)  # eval pins
     # simulated users each have their own key (routing is by key); the evaluation pins with its one eval key
-    keys = local_user_keys(args.state, args.api_key) if split == "train" else [key]
+    keys = local_user_keys(args.state, args.api_key, tenant) if split == "train" else [key]
     project = getattr(args, "project", None) or project
     template = template_for(cfg, args.template)
     api_base = args.api_base or f"http://127.0.0.1:{cfg.serving.port}/v1"

@@ -221,23 +221,26 @@ def say(msg: str) -> None:
 SIMULATED_USERS = 32
 
 
-def _demo_entries(paths: StackPaths) -> list:
+def _tenants(paths: StackPaths) -> dict[str, list]:
+    """Every tenant's key entries in the local keys file (in file order)."""
     if not paths.keys.is_file():
-        return []
+        return {}
     data = yaml.safe_load(paths.keys.read_text()) or {}
-    return list(((data.get("tenants") or {}).get(DEMO_TENANT) or {}).get("keys") or [])
+    return {str(t): list((spec or {}).get("keys") or []) for t, spec in (data.get("tenants") or {}).items()}
 
 
 def _key_role(item: str | dict) -> tuple[str, str]:
     return (item, "user") if isinstance(item, str) else (item.get("key"), item.get("role", "user"))
 
 
-def ensure_demo_key(paths: StackPaths, role: str = "user") -> str:
-    """The demo tenant's API key of ``role``: a ``user`` key for Continue and `onlinerl simulate`, an ``eval`` key
-    for `onlinerl eval` and the rollout gate (they pin versions, which a user key may not). Created once, reused on
-    every start, with ``SIMULATED_USERS`` more user keys for the simulated users (:func:`demo_user_keys`); a keys file
-    from before roles (one plain key) gains its eval key."""
-    entries = _demo_entries(paths)
+def ensure_demo_key(paths: StackPaths, role: str = "user", tenant: str = DEMO_TENANT) -> str:
+    """``tenant``'s local API key of ``role`` (the demo tenant's unless named): a ``user`` key for Continue and
+    `onlinerl simulate`, an ``eval`` key for `onlinerl eval` and the rollout gate (they pin versions, which a user key
+    may not). Created once, reused on every start, with ``SIMULATED_USERS`` more user keys for the simulated users
+    (:func:`demo_user_keys`); a keys file from before roles (one plain key) gains its eval key. Other tenants' keys
+    in the file are kept as they are (`onlinerl up` creates keys for each of ``projects.listed`` too: issue 39)."""
+    tenants = _tenants(paths)
+    entries = tenants.get(tenant, [])
     by_role: dict[str, str] = {}
     for item in entries:
         key, item_role = _key_role(item)
@@ -252,13 +255,13 @@ def ensure_demo_key(paths: StackPaths, role: str = "user") -> str:
             by_role["eval"] = new_api_key("orl-eval")
             entries.append({"key": by_role["eval"], "role": "eval"})
         entries += [new_api_key("orl-sim") for _ in range(1 + SIMULATED_USERS - users)]
-        write_keys_file(paths.keys, {DEMO_TENANT: entries})
+        write_keys_file(paths.keys, {**tenants, tenant: entries})
     return by_role[role]
 
 
-def demo_user_keys(paths: StackPaths) -> list[str]:
-    """Every user key of the demo tenant, the Continue key first: one per simulated user."""
-    return [key for key, role in map(_key_role, _demo_entries(paths)) if role == "user"]
+def demo_user_keys(paths: StackPaths, tenant: str = DEMO_TENANT) -> list[str]:
+    """Every user key of the demo tenant (or ``tenant``), the Continue key first: one per simulated user."""
+    return [key for key, role in map(_key_role, _tenants(paths).get(tenant, [])) if role == "user"]
 
 
 def effective_config(
@@ -489,6 +492,8 @@ def start_stack(
             write_jsonl(train, paths.data / "train.jsonl")
             write_jsonl(test, paths.data / "test.jsonl")
         stack.api_key = ensure_demo_key(paths)
+        for project in cfg.projects.listed:  # each listed project's own local keys, to try per-project adapters
+            ensure_demo_key(paths, tenant=project)
         stack.cfg = effective_config(cfg, paths, redis_url, model_path, host)
         write_secret(paths.config, yaml.safe_dump(stack.cfg.dump(), sort_keys=False))  # its Redis URL: a password
         stack.start_serving(model_path, ports, on_step, external_engine=external_engine)

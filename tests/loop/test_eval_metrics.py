@@ -356,3 +356,20 @@ def test_versions_name_the_served_and_the_newest_policy_in_order_once():
     for bad in ("0,newest", "0,-1", "0,", "v3"):
         with pytest.raises(CommandError, match="is not a version"):
             resolve_versions(bad, newest, served)
+
+
+def test_versions_of_a_project_line_are_pinned_with_that_projects_key_only():
+    """Issue 39: `alpha:latest` is alpha's own adapter line; the shared line's versions keep their plain names, and
+    a project other than the evaluating key's is refused (the gateway would answer 403 wrong_project)."""
+    from onlinerl.commands.eval import resolve_line_versions, run_name
+    from onlinerl.errors import CommandError
+
+    newest = {"": 44, "alpha": 9}
+    served = {"": 32, "alpha": 7}
+    runs = resolve_line_versions("0,latest,alpha:latest,alpha:stable,alpha:9", newest.get, served.get, "alpha")
+    assert runs == [("", 0), ("", 44), ("alpha", 9), ("alpha", 7)]
+    assert [run_name(*r) for r in runs] == ["v0", "v44", "alpha-v9", "alpha-v7"]
+    with pytest.raises(CommandError, match="--tenant beta"):
+        resolve_line_versions("0,beta:latest", newest.get, served.get, "alpha")
+    with pytest.raises(CommandError, match="is not a version"):
+        resolve_line_versions("alpha:newest", newest.get, served.get, "alpha")

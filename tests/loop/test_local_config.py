@@ -49,3 +49,25 @@ def test_the_demo_tenant_has_a_key_per_simulated_user_so_a_canary_gets_its_share
     assert local_user_keys(tmp_path, "sk-given") == ["sk-given"]
     points = [user_point(user_hash(k)) for k in keys]
     assert len(set(points)) == len(keys)  # every simulated user has its own place in the routing
+
+
+def test_a_listed_projects_local_keys_are_its_own_and_leave_the_demo_keys_alone(tmp_path) -> None:
+    """Issue 39: `onlinerl up` creates keys for each of projects.listed, so `onlinerl simulate --tenant alpha` drives
+    alpha's own line; the demo tenant's keys stay as they were, and a project with no keys is a clear error."""
+    from onlinerl.auth import KeyRing
+    from onlinerl.loop.local import local_api_key, local_user_keys
+    from onlinerl.loop.stack import StackPaths, demo_user_keys, ensure_demo_key
+
+    paths = StackPaths(tmp_path)
+    demo = ensure_demo_key(paths)
+    demo_users = demo_user_keys(paths)
+    alpha_eval = ensure_demo_key(paths, "eval", tenant="alpha")
+    assert demo_user_keys(paths) == demo_users and ensure_demo_key(paths) == demo
+    alpha_users = local_user_keys(tmp_path, None, "alpha")
+    assert alpha_users and not set(alpha_users) & set(demo_users)
+    assert local_api_key(tmp_path, None, "eval", "alpha") == (alpha_eval, "alpha")
+    ring = KeyRing.from_file(paths.keys)
+    assert {ring.identity_for(k).tenant for k in alpha_users} == {"alpha"}
+    assert ring.identity_for(demo).tenant == "demo"
+    with pytest.raises(CommandError, match="no keys of project 'beta'"):
+        local_user_keys(tmp_path, None, "beta")

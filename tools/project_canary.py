@@ -1,15 +1,16 @@
 """Isolation of per-project adapters, shown with a canary (issue 39).
 
 ``plant``: give one project a convention no other project has. Every whole-word occurrence of ``--word`` (default
-``isinstance``) in a data set's prefixes, middles and suffixes becomes ``--canary`` (default ``zq_isinstance``), so
+``self``) in a data set's prefixes, middles and suffixes becomes ``--canary`` (default ``zq_self``), so
 that project's accepted completions, and only its, contain the canary.
 
 ``measure``: how likely each policy is to write the canary where the word belongs, on code that does *not* contain
-it: held-out samples of another project whose middle holds ``--word``. The context is the sample's FIM prompt plus
-its middle up to the word; the score is log p(canary tokens | context), read from vLLM's ``prompt_logprobs`` for
-each served model (the base, the shared line's newest version, each project line's newest). Because the canary is not
-in the context, a policy can only raise its probability by having learned it: the planting project's adapter should
-(the positive control); another project's adapter must not rise above the base (the isolation promise).
+it: samples of another project (both splits: none of them holds the canary) whose middle holds ``--word``. The
+context is the sample's FIM prompt plus its middle up to the word; the score is log p(canary tokens | context), read
+from vLLM's ``prompt_logprobs`` for each served model (the base, the shared line's newest version, each project
+line's newest). Because the canary is not in the context, a policy can only raise its probability by having learned
+it: the planting project's adapter should (the positive control); another project's adapter must not rise above
+the base (the isolation promise).
 
     .venv/bin/python tools/project_canary.py plant STATE/data-alpha
     .venv/bin/python tools/project_canary.py measure --state STATE --data STATE/data-beta --lines alpha,beta \
@@ -33,8 +34,10 @@ sys.path.insert(0, str(ROOT))
 
 from onlinerl.data.builder import read_jsonl, resolve_split, write_jsonl  # noqa: E402
 
-WORD = "isinstance"
-CANARY = "zq_isinstance"
+# ``self`` is in 28% of the standard library's training middles (so the planting project meets its convention
+# often within an hour) and in 151 of networkx's middles (the contexts scored on the other project's code).
+WORD = "self"
+CANARY = "zq_self"
 
 
 def plant(data: Path, word: str = WORD, canary: str = CANARY) -> dict[str, int]:
@@ -113,7 +116,8 @@ def measure(args: argparse.Namespace) -> int:
     r.close()
     pattern = re.compile(rf"\b{re.escape(args.word)}\b")
     contexts = []
-    for s in read_jsonl(resolve_split(args.data, "test")):
+    samples = [s for split in ("test", "train") for s in read_jsonl(resolve_split(args.data, split))]
+    for s in samples:
         m = pattern.search(s.middle)
         if m and args.canary not in s.prefix + s.suffix:
             prefix = s.prefix[-args.max_prefix_chars :]

@@ -25,7 +25,7 @@ def test_plant_renames_whole_words_in_every_split(tmp_path):
     )
     write_jsonl([s, FimSample("b", "line", "g.py", 1, 1, "x = 1\n", "y = 2", "")], tmp_path / "train.jsonl")
     write_jsonl([s], tmp_path / "test.jsonl")
-    assert tool.plant(tmp_path) == {"train": 1, "test": 1}
+    assert tool.plant(tmp_path, "isinstance", "zq_isinstance") == {"train": 1, "test": 1}
     planted = read_jsonl(tmp_path / "train.jsonl")[0]
     assert planted.middle == "ok = zq_isinstance(y, str)"
     assert planted.prefix.startswith("if zq_isinstance(") and planted.suffix == "\nnotisinstance(z)"

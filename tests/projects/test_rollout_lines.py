@@ -317,3 +317,34 @@ def test_the_gates_requests_pin_a_version_on_the_gated_line() -> None:
     assert client("acme").headers(3)[PIN_VERSION_HEADER] == "3" and client("acme").headers(3)[PIN_LINE_HEADER] == "acme"
     assert PIN_LINE_HEADER not in client("").headers(3)
     assert PIN_LINE_HEADER not in client("acme").headers(None)  # user traffic: routed by the key, nothing pinned
+
+
+def test_pin_pause_and_resume_act_on_one_projects_line(redis_client, capsys) -> None:
+    """`onlinerl policy --project beta pin|pause|unpin|resume`: beta's table and decisions only; acme's and the
+    shared line's stay byte-identical, and beta's line is frozen (no verdict, no gate) until resumed."""
+    from onlinerl.cli import main
+
+    r, clock = redis_client, FakeClock()
+    for line in ("", "acme", "beta"):
+        start_line(r, line)
+    ctl = LinesController(
+        r, JOB, rollout_cfg(), ProjectsConfig(adapters="listed", listed=["acme", "beta"]), good_eval, clock=clock
+    )
+    ctl.tick()  # v1 of every line is in its canary
+    kw = r.connection_pool.connection_kwargs
+    cli = ["policy", "--redis-url", f"redis://{kw['host']}:{kw['port']}", "--job", JOB, "--project", "beta"]
+    before = {line: line_state(r, line) for line in ("", "acme")}
+    assert main([*cli, "pin", "1"]) == 0 and main([*cli, "pause"]) == 0
+    beta = table(r, "beta")
+    assert (beta.pinned, beta.hold, beta.paused, beta.candidate) == (1, 0, True, 1)
+    assert decisions(r, "beta") == ["gate_pass", "pin", "pause"]
+    assert {line: line_state(r, line) for line in ("", "acme")} == before
+    publish_loaded(r, JOB, 2, "beta")  # a newer version of beta's: it waits for resume
+    clock.now += TICK_SECONDS
+    ctl.tick()
+    assert decisions(r, "beta") == ["gate_pass", "pin", "pause"]  # frozen: no verdict, no new gate
+    assert main([*cli, "unpin"]) == 0 and main([*cli, "resume"]) == 0
+    beta = table(r, "beta")
+    assert (beta.pinned, beta.hold, beta.paused) == (None, None, False)
+    assert {line: line_state(r, line) for line in ("",)} == {"": before[""]}
+    capsys.readouterr()

@@ -155,27 +155,41 @@ def test_a_rollback_of_one_project_leaves_the_other_lines_untouched(redis_client
     assert "held at v0" in RolloutStore(r, K.for_project("acme")).activity()[0]
 
 
-def test_a_project_lines_gate_is_asked_for_that_line_and_holds_that_lines_versions(redis_client) -> None:
+def test_a_project_lines_gate_is_asked_for_that_line_against_what_the_project_is_served(redis_client) -> None:
+    """A project line that promoted nothing yet (stable 0) is served the shared policy, so its first candidate is
+    gated against the shared line's stable (held on the shared line meanwhile); once the line has a stable of its
+    own, against that. The candidate is held on the project's line during the eval, released after."""
     r, clock = redis_client, FakeClock()
+    r.hset(K.policy, mapping=PolicyTable(stable=5).to_redis())
+    publish_loaded(r, JOB, 5)
     start_line(r, "acme", (1,))
-    asked: list[EvalRequest] = []
+    asked: list[tuple[str, int, str, int]] = []
+    held: list[tuple[set[str], set[str]]] = []
 
     def evaluator(req: EvalRequest):
-        # during the eval the candidate is held on acme's line (the reloader of acme's line keeps it loaded)
-        assert dataplane_lines.views(r, JOB, ["acme"])["acme"].table.candidate is None
-        assert {f.decode().split(":")[0] for f in r.hkeys(K.for_project("acme").holds)} == {
-            "1"
-        }  # v0, the base, is always loaded
-        assert r.hkeys(K.holds) == []
-        asked.append(req)
+        asked.append((req.line, req.candidate, req.baseline_line, req.stable))
+        held.append(
+            ({f.decode() for f in r.hkeys(K.for_project("acme").holds)}, {f.decode() for f in r.hkeys(K.holds)})
+        )
         return good_eval(req)
 
     projects = ProjectsConfig(adapters="listed", listed=["acme"])
     ctl = LinesController(r, JOB, rollout_cfg(), projects, evaluator, clock=clock)
-    assert [(line, rec.decision) for line, rec in ctl.tick()] == [("acme", "gate_pass")]
-    assert [(q.line, q.candidate, q.stable) for q in asked] == [("acme", 1, 0)]
+    [(line, rec)] = ctl.tick()
+    assert (line, rec.decision, rec.version, rec.stable) == ("acme", "gate_pass", 1, 0)
+    assert rec.reason == "gate passed (vs the shared policy's stable v5)"
+    assert rec.figures["baseline"] == "the shared policy's stable v5"
+    assert asked == [("acme", 1, "", 5)]
+    assert held == [({"1:gate"}, {"5:gate"})]
+    assert r.hkeys(K.for_project("acme").holds) == [] and r.hkeys(K.holds) == []  # released after the eval
     assert table(r, "acme").candidate == 1 and table(r, "").candidate is None
-    assert r.hkeys(K.for_project("acme").holds) == []  # released after the eval
+    # once acme's line has a stable of its own, its next candidate is gated against it
+    r.hset(K.for_project("acme").policy, mapping={"stable": "1", "candidate": "", "canary_share": "0.0"})
+    publish_loaded(r, JOB, 2, "acme")
+    clock.now += TICK_SECONDS
+    [(line, rec)] = ctl.tick()
+    assert (line, rec.decision, rec.reason) == ("acme", "gate_pass", "gate passed")
+    assert asked[-1] == ("acme", 2, "acme", 1) and held[-1] == ({"1:gate", "2:gate"}, set())
 
 
 def test_which_lines_are_judged(redis_client) -> None:

@@ -84,8 +84,11 @@ class EvalRequest:
     candidate into preview and returns once vLLM holds it (users wait meanwhile: keep the candidate's run short); it
     raises ``preview.PreviewError`` if that does not happen in time.
 
-    ``line``: the policy line both versions belong to ('' = the shared policy, else the project whose own adapter line
-    they are: its held-out samples where it has them, through one of its eval keys; gate_eval.py)."""
+    ``line``: the policy line the candidate belongs to ('' = the shared policy, else the project whose own adapter line
+    it is: its held-out samples where it has them, through one of its eval keys; gate_eval.py). ``stable_line``: the
+    line ``stable`` is a version of (None: ``line``). A project line that has promoted nothing yet (its stable is 0)
+    is served the shared policy (the gateway routes such a project on the shared line), so its candidate is gated
+    against the shared line's stable: what that project is served now."""
 
     job: str
     candidate: int
@@ -93,6 +96,12 @@ class EvalRequest:
     samples: int
     enter_candidate: Callable[[], None] = field(default=_in_place, compare=False, repr=False)
     line: str = ""
+    stable_line: str | None = None
+
+    @property
+    def baseline_line(self) -> str:
+        """The line ``stable`` is a version of."""
+        return self.line if self.stable_line is None else self.stable_line
 
 
 Evaluator = Callable[[EvalRequest], GateInput]
@@ -140,6 +149,7 @@ class RolloutController:
         self.preview: Preview | None = None  # full weights: the preview the last gate started (ended by its verdict)
         self.doing: str = ""  # this tick's activity for `onlinerl status` (store.say), "" when idle
         self._said: str | None = None  # the activity last written: written again only on change
+        self.gate_baseline = ""  # the last gate's baseline when it was not this line's stable (else "")
 
     @property
     def said(self) -> str | None:
@@ -220,6 +230,9 @@ class RolloutController:
             passed, reason, figures = False, result, {}
         else:
             passed, reason, figures = result.passed, "; ".join(result.reasons) or "gate passed", result.figures()
+            if self.gate_baseline:  # a project line's first version: compared with the shared policy's stable
+                figures["baseline"] = self.gate_baseline
+                reason = f"{reason} (vs {self.gate_baseline})"
         if passed:
             state = RolloutState(
                 version=newest, state="canary", started_at=now, stable_version=table.stable, reason=reason
@@ -286,12 +299,28 @@ class RolloutController:
             return None  # backing off after an evaluator error
         self.preview = self._new_preview(version) if needs_preview else None
         enter = self.preview.enter if self.preview is not None else _in_place
-        req = EvalRequest(self.keys.job, version, stable, self.cfg.gate.eval_samples, enter, self.line)
+        base_keys, baseline = self._baseline(stable)
+        req = EvalRequest(
+            self.keys.job, version, baseline, self.cfg.gate.eval_samples, enter, self.line, base_keys.line
+        )
         # Both versions stay loaded for the whole eval: on CPU it takes minutes while the trainer keeps publishing,
         # and without a hold the reloader retired the candidate under it (keepVersions), failing its requests.
-        held = holds.hold(self.r, self.keys, [stable, version], GATE_HOLD_SECONDS, holder=GATE_HOLDER)
+        held = holds.hold(
+            self.r,
+            self.keys,
+            [version, *([stable] if base_keys == self.keys else [])],
+            GATE_HOLD_SECONDS,
+            holder=GATE_HOLDER,
+        )
+        held_base = (
+            []
+            if base_keys == self.keys
+            else holds.hold(self.r, base_keys, [baseline], GATE_HOLD_SECONDS, holder=GATE_HOLDER)
+        )
         self.evaluating = version
-        self._say(f"eval gate running: v{version} vs stable v{stable} on {self.cfg.gate.eval_samples} held-out samples")
+        self.gate_baseline = "" if base_keys == self.keys else f"the shared policy's stable v{baseline}"
+        against = self.gate_baseline or f"stable v{baseline}"
+        self._say(f"eval gate running: v{version} vs {against} on {self.cfg.gate.eval_samples} held-out samples")
         try:
             inp = self.evaluator(req)  # type: ignore[misc]
             if self.preview is not None:
@@ -312,10 +341,20 @@ class RolloutController:
         finally:
             self.evaluating = None
             holds.release(self.r, self.keys, held, holder=GATE_HOLDER)
+            if held_base:
+                holds.release(self.r, base_keys, held_base, holder=GATE_HOLDER)
         result = evaluate_gate(inp, GateThresholds.from_config(self.cfg.gate))
         guardrails = sum(1 for reason in result.reasons if reason.startswith("guardrail:"))
         self.metrics.observe_gate(version, stable, result.figures(), guardrails)
         return result
+
+    def _baseline(self, stable: int) -> tuple[Keys, int]:
+        """The line and version the gate compares the candidate with: this line's stable, except on a project line
+        that has promoted nothing yet (stable 0): its users are served the shared policy, whose stable it is then."""
+        if self.line and stable == 0:
+            shared = self.keys.shared
+            return shared, RolloutStore(self.r, shared).policy().stable
+        return self.keys, stable
 
     def _backoff_note(self, version: int) -> str:
         n, wait = self._gate_errors.get(version, 0), self._gate_retry_at.get(version, 0.0) - self.clock()

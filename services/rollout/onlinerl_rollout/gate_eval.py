@@ -33,7 +33,7 @@ from onlinerl.loop.evaluate import run_version
 from onlinerl.loop.template import template_for
 from onlinerl.loop.user_model import decide
 from onlinerl_rollout.controller import EvalRequest
-from onlinerl_rollout.gate import GateInput
+from onlinerl_rollout.gate import EvalRecord, GateInput
 
 log = logging.getLogger("onlinerl_rollout")
 DEFAULT_EVAL_DATA = ".onlinerl/data/test.jsonl"
@@ -46,7 +46,7 @@ PREVIEW_CONCURRENCY = 4  # the candidate's run: in full-weight mode users are he
 # minutes (run 12: every gate after a promotion re-asked the new stable what its own gate had just asked it). Only
 # the entries of the current stable and candidate are kept. A candidate gated again (after an error) is asked
 # again: full weights must preview it.
-_runs: dict[tuple[str, str, str, int, str, tuple[str, ...]], list[dict]] = {}
+_runs: dict[tuple[str, str, str, int, str, tuple[str, ...]], list[EvalRecord]] = {}
 
 
 def held_out(data: Path, line: str) -> tuple[Path, bool]:
@@ -76,9 +76,10 @@ def evaluate(req: EvalRequest) -> GateInput:
     key, tenant = eval_key(cfg.auth.api_keys_file, req.line, cfg.projects.has_own_line)  # pinning: eval or admin
     if req.line:
         log.info(
-            "gate of project %s's v%d vs v%d on %s held-out samples (%s), as tenant %s",
+            "gate of project %s's v%d vs %sv%d on %s held-out samples (%s), as tenant %s",
             req.line,
             req.candidate,
+            "" if req.baseline_line else "the shared policy's ",
             req.stable,
             "its own" if own else "the shared",
             data,
@@ -88,44 +89,45 @@ def evaluate(req: EvalRequest) -> GateInput:
     gateway = os.environ.get("ONLINERL_GATEWAY_URL") or f"http://127.0.0.1:{cfg.serving.port}"
     api_base = f"{gateway.rstrip('/')}/v1"
 
-    def factory(uid: int) -> ContinueClient:
-        return ContinueClient(
-            api_base,
-            "",
-            key,
-            tenant,
-            cfg.model.served_name,
-            template,
-            max_tokens=48,
-            unique_id=f"gate-{uid}",
-            pin_line=req.line,  # a project line's versions: pinned on that line (X-OnlineRL-Line)
-        )
+    def factory(line: str) -> Callable[[int], ContinueClient]:
+        def make(uid: int) -> ContinueClient:
+            return ContinueClient(
+                api_base,
+                "",
+                key,
+                tenant,
+                cfg.model.served_name,
+                template,
+                max_tokens=48,
+                unique_id=f"gate-{uid}",
+                pin_line=line,  # a project line's versions: pinned on that line (X-OnlineRL-Line)
+            )
+
+        return make
 
     ids = tuple(s.id for s in samples)
     by_id = {s.id: s for s in samples}
-    records = []
-    for version in (req.stable, req.candidate):
-        run_key = (req.job, req.line, gateway, version, str(data), ids)
-        if version == req.stable and run_key in _runs:
-            records += _runs[run_key]
+    sides: dict[bool, list[EvalRecord]] = {}
+    for candidate, version, line in ((False, req.stable, req.baseline_line), (True, req.candidate, req.line)):
+        run_key = (req.job, line, gateway, version, str(data), ids)
+        if not candidate and run_key in _runs:
+            sides[candidate] = _runs[run_key]
             continue
-        if version == req.candidate:
+        if candidate:
             req.enter_candidate()
-        concurrency = PREVIEW_CONCURRENCY if version == req.candidate else 2
-        run = asyncio.run(run_version(samples, factory, version, concurrency=concurrency))
+        concurrency = PREVIEW_CONCURRENCY if candidate else 2
+        run = asyncio.run(run_version(samples, factory(line), version, concurrency=concurrency))
         if run.records and all(r.failed for r in run.records):
             raise RuntimeError(_nothing_served(version, len(run.records), cfg.serving.weights_mode))
-        got = [
-            {"version": version, "shown_text": r.shown, "accepted": decide(r.shown, by_id[r.sample_id].middle)}
-            for r in run.records
-            if not r.failed
-        ]
-        if len(got) == len(samples) and req.stable != req.candidate:
+        got = [EvalRecord(r.shown, decide(r.shown, by_id[r.sample_id].middle)) for r in run.records if not r.failed]
+        if len(got) == len(samples) and (req.stable, req.baseline_line) != (req.candidate, req.line):
             _runs[run_key] = got
-        records += got
-    for old in [k for k in _runs if k[1] == req.line and k[3] not in (req.stable, req.candidate)]:
+        sides[candidate] = got
+    keep = {(req.baseline_line, req.stable), (req.line, req.candidate)}
+    for old in [k for k in _runs if (k[1], k[3]) not in keep and (k[1] in (req.line, req.baseline_line))]:
         del _runs[old]  # only each line's current stable's and candidate's runs can be asked for again
-    return GateInput.from_records(req.candidate, req.stable, records)
+    # by side, not by version number: a project line's v3 may be gated against the shared line's v3
+    return GateInput(req.candidate, req.stable, tuple(sides[True]), tuple(sides[False]))
 
 
 def _nothing_served(version: int, n: int, weights_mode: str) -> str:

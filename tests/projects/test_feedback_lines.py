@@ -192,3 +192,21 @@ def test_forget_clears_the_users_ledgers_on_every_line_and_names_the_own_lines_v
     assert counters(r, K.arm_users(1, "stable", 1))["u-beta:accepted"] == 1  # another tenant's user: untouched
     assert (report.trained_versions, report.descendant_versions) == ([], [])
     assert (report.own_line_trained_versions, report.own_line_descendant_versions) == ([1], [2])
+
+
+def test_an_unmatched_outcome_never_trains_a_record_of_a_foreign_line() -> None:
+    """feedback.trainUnmatched trains an unmatched event on the tenant's newest record: never on one that names
+    another project's line (it is the tenant's own records it picks from, and a forged one is skipped)."""
+    from onlinerl.tokens import TokenTable
+
+    table = TokenTable((b"", b"return a ", b"+ b"))  # the record's two tokens: "return a " and "+ b"
+    cfg = FeedbackConfig(train_unmatched=True)
+    two = {"completion_token_ids": [1, 2], "behaviour_logprobs": [-1.0, -1.0], "prompt": "# p\n"}
+    forged = record("f1", "beta", "acme").model_copy(update={**two, "created_at": 2.0})
+    honest = record("b1", "beta", "").model_copy(update={**two, "created_at": 1.0})
+    event = CompletionOutcome(completionId="c", accepted=True, completion="return a - b", prompt="# p\n")
+    d = decide(event, "beta", "# p\n", [forged, honest], cfg, table=table)
+    assert d.to_samples and d.rates == "b1" and d.line == ""  # the newest is forged: the honest one is trained
+    assert json.loads(d.entry)["line"] == "" and json.loads(d.entry)["completion_token_ids"] == [1]
+    d = decide(event, "beta", "# p\n", [forged], cfg, table=table)
+    assert (d.status, d.to_samples, d.counters) == ("unmatched", False, ())

@@ -216,11 +216,14 @@ class Lease:
                 raise FencedOut(f"{name} refused: {exc}") from exc
             raise
 
-    def announce(self, fields: dict[str, str]) -> None:
-        """XADD to ``checkpoints`` if we hold the lease and the version is newer than the last one announced."""
+    def announce(self, fields: dict[str, str], checkpoints_key: str | None = None) -> None:
+        """XADD to ``checkpoints`` if we hold the lease and the version is newer than the last one announced there.
+        ``checkpoints_key``: a policy line's own stream (``Keys.for_project(p).checkpoints``, issue 39); one lease
+        fences every line of the job."""
         fields = {**fields, "fence": str(self.token)}  # who announced it: tokens only grow along the lineage
         flat = [x for kv in fields.items() for x in kv]
-        self._fenced("announce", [self.keys.trainer_lease, self.keys.checkpoints], [fields["version"], *flat])
+        stream = checkpoints_key or self.keys.checkpoints
+        self._fenced("announce", [self.keys.trainer_lease, stream], [fields["version"], *flat])
 
     def ack(self, sample_ids: Sequence[str]) -> int:
         """XACK + XDEL on ``samples`` if we hold the lease."""

@@ -27,6 +27,7 @@ from onlinerl.config import ConfigError, load_config
 from onlinerl.keys import Keys
 from onlinerl.model import ModelError, resolve_model_path
 from onlinerl.redisconn import connect as redis_connect
+from onlinerl_trainer.adapters import lines_problem
 from onlinerl_trainer.checkpoint import CheckpointStore
 from onlinerl_trainer.engine import choose_engine_name
 from onlinerl_trainer.fence import FencedOut, Lease
@@ -50,6 +51,10 @@ def main() -> int:
         model_path = resolve_model_path(cfg.model.path)
     except (ConfigError, ModelError) as exc:
         print(f"onlinerl-trainer: error: {exc}", file=sys.stderr)
+        return 2
+    problem = lines_problem(cfg)  # an adapter per project: plain torch, one process
+    if problem is not None:
+        print(f"onlinerl-trainer: error: {problem}", file=sys.stderr)
         return 2
     ranks = ranks_from_env()
     if ranks.distributed and choose_engine_name(cfg.trainer) != "deepspeed":

@@ -52,9 +52,11 @@ def render_manifest(
     rebased_from: int | None = None,
     rollback_at: float | None = None,
     contributors: dict[str, list[str]] | None = None,
+    line: str = "",
 ) -> CheckpointManifest:
     """Pure: the manifest of one version. ``sample_ids`` are the stream ids trained since the parent version;
-    ``rebased_from`` / ``rollback_at``: the lineage after a manual rollback (CheckpointManifest)."""
+    ``rebased_from`` / ``rollback_at``: the lineage after a manual rollback (CheckpointManifest); ``line``: the
+    policy line it belongs to ('' shared, else the project)."""
     ordered = sorted(set(sample_ids), key=stream_id_key)
     return CheckpointManifest(
         job=job,
@@ -72,6 +74,7 @@ def render_manifest(
         rebased_from=rebased_from,
         rollback_at=rollback_at,
         contributors=contributors or {},
+        line=line,
     )
 
 

@@ -2,23 +2,30 @@
 
 No Redis here. With several ranks the leader calls the same methods as a single process; each one first broadcasts
 its command so the followers join the collective (``follow`` is a follower's whole life; see ranks.py).
+
+With per-project adapters (``lines=True``, issue 39) the model holds one LoRA adapter per policy line
+(``adapters.AdapterSet``); ``on_line(line)`` makes one line's adapter and optimizer the ones the update, the weights
+and the resume state below use (single process, plain torch only). Outside it, everything means the shared line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from onlinerl.config import TrainerConfig
+from onlinerl.keys import SHARED_LINE
+from onlinerl_trainer.adapters import AdapterSet
 from onlinerl_trainer.batching import Batch, StreamSample, collate
 from onlinerl_trainer.checkpoint import CheckpointStore
-from onlinerl_trainer.engine import build_engine
+from onlinerl_trainer.engine import Engine, build_engine
 from onlinerl_trainer.policy import load_policy, load_reference, load_weights_from_checkpoint
 from onlinerl_trainer.ranks import Ranks
 from onlinerl_trainer.update import UpdateResult, ppo_update
@@ -100,9 +107,17 @@ def health_stats(
 
 
 class Learner:
-    """Model + optimizer of one rank, resumed from ``weights_from`` (a checkpoint folder) when given."""
+    """Model + optimizer of one rank, resumed from ``weights_from`` (a checkpoint folder) when given. ``lines``: keep
+    an adapter per policy line (``self.adapters``), the shared line's first."""
 
-    def __init__(self, tcfg: TrainerConfig, model_path: Path, ranks: Ranks, weights_from: Path | None = None) -> None:
+    def __init__(
+        self,
+        tcfg: TrainerConfig,
+        model_path: Path,
+        ranks: Ranks,
+        weights_from: Path | None = None,
+        lines: bool = False,
+    ) -> None:
         self.tcfg = tcfg
         self.algo = tcfg.algorithm
         self.ranks = ranks
@@ -113,26 +128,65 @@ class Learner:
         self.reference = load_reference(self.model_path, tcfg)
         if weights_from is not None:
             load_weights_from_checkpoint(module, weights_from)
-        self.engine = build_engine(module, tcfg)
+        self._engine = build_engine(module, tcfg)
         if self.reference is not None:
-            self.reference.to(self.engine.device)
+            self.reference.to(self._engine.device)
         self.last_command = time.monotonic()
-        self.entropy_window = EntropyWindow(tcfg.algorithm.entropy_window_tokens)
+        self.entropy_windows: dict[str, EntropyWindow] = {}
+        self.adapters = AdapterSet(module, tcfg, self._engine) if lines else None
+        self.line = SHARED_LINE  # the line the update, weights and state calls act on (on_line)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine (model + optimizer) of the line in use: the shared line's outside ``on_line``."""
+        if self.adapters is None:
+            return self._engine
+        return self.adapters.engines[self.line]
+
+    @contextlib.contextmanager
+    def on_line(self, line: str) -> Iterator[Engine]:
+        """Within the block, the update, ``trainable_weights``, ``save_state`` and ``resume`` act on ``line``'s
+        adapter and optimizer, and forward passes use that adapter."""
+        if line == SHARED_LINE and self.adapters is None:
+            yield self._engine
+            return
+        assert self.adapters is not None, "a project line needs the learner's adapter set (lines=True)"
+        with self.adapters.active(line) as engine:
+            self.line = line
+            try:
+                yield engine
+            finally:
+                self.line = SHARED_LINE
+
+    @property
+    def entropy_window(self) -> EntropyWindow:
+        """The running entropy of the line in use (each line's policy has its own)."""
+        window = self.entropy_windows.get(self.line)
+        if window is None:
+            window = self.entropy_windows[self.line] = EntropyWindow(self.tcfg.algorithm.entropy_window_tokens)
+        return window
 
     def rebase(self, weights_from: Path | None) -> None:
         """A human rolled back: from now on train from ``weights_from`` (a checkpoint folder; None: the base model)
         with a fresh optimizer, on every rank. The model is built again exactly as at a start from that version (the
-        old model and optimizer are dropped first, so a GPU never holds both)."""
+        old model and optimizer are dropped first, so a GPU never holds both). With an adapter per line only the
+        line in use (``on_line``) goes back, in place: the other lines' adapters and optimizers stay as they are."""
+        if self.adapters is not None:
+            engine = self.adapters.reset(self.line, weights_from)
+            if self.line == SHARED_LINE:
+                self._engine = engine
+            self.entropy_windows.pop(self.line, None)
+            return
         self._command("rebase", None if weights_from is None else str(weights_from))
         self._rebuild(weights_from)
 
     def _rebuild(self, weights_from: Path | None) -> None:
-        del self.engine
+        del self._engine
         module = load_policy(self.model_path, self.tcfg)
         if weights_from is not None:
             load_weights_from_checkpoint(module, Path(weights_from))
-        self.engine = build_engine(module, self.tcfg)
-        self.entropy_window = EntropyWindow(self.tcfg.algorithm.entropy_window_tokens)
+        self._engine = build_engine(module, self.tcfg)
+        self.entropy_windows = {}
 
     def resume(self, state_dir: Path, meta: dict) -> None:
         """Optimizer state (this rank's partition) and the RNG of the version resumed from, on every rank."""
@@ -177,6 +231,8 @@ class Learner:
 
     def trainable_weights(self) -> dict[str, torch.Tensor]:
         self._command("gather")  # a collective under ZeRO-3
+        if self.adapters is not None:
+            return self.adapters.weights(self.line)
         return self.engine.trainable_state_dict()
 
     def save_state(self, directory: Path) -> None:

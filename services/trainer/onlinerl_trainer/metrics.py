@@ -112,6 +112,18 @@ class TrainerMetrics:
             "1 while this process holds the trainer lease (may publish), 0 while it waits for it",
             registry=r,
         )
+        # per-project adapters (issue 39; services/trainer/README.md)
+        self.lines = Gauge(
+            "onlinerl_trainer_policy_lines",
+            "policy lines with an adapter in this trainer, the shared one included",
+            registry=r,
+        )
+        self.lines.set(1)
+        self.line_mismatch = Counter(
+            "onlinerl_trainer_line_mismatch_samples",
+            "samples whose line names another project's adapter: trained on their tenant's lines only",
+            registry=r,
+        )
         for reason in ("nonfinite_loss", "nonfinite_grad", "nonfinite_weights"):
             self.skipped.labels(reason)
         for action in ("dropped", "downweighted"):

@@ -75,15 +75,16 @@ def all_finite(tensors: dict[str, torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors.values())
 
 
-def load_weights_from_checkpoint(model: nn.Module, version_dir: Path) -> None:
-    """Put the weights of a published ``v{N}/`` back into the model (resume)."""
+def load_weights_from_checkpoint(model: nn.Module, version_dir: Path, adapter: str = "default") -> None:
+    """Put the weights of a published ``v{N}/`` back into the model (resume); with LoRA into the named ``adapter``
+    (per-project adapters, adapters.py: any line's checkpoint fits any adapter of the same config)."""
     from safetensors.torch import load_file
 
     if is_lora(model):
         from peft import set_peft_model_state_dict
 
         state = load_file(str(version_dir / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(model, state)
+        result = set_peft_model_state_dict(model, state, adapter_name=adapter)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise RuntimeError(f"adapter in {version_dir} does not fit the model: unexpected keys {unexpected[:5]}")
@@ -99,9 +100,11 @@ def load_weights_from_checkpoint(model: nn.Module, version_dir: Path) -> None:
         )
 
 
-def save_weights(model: nn.Module, weights: dict[str, torch.Tensor], directory: Path) -> None:
+def save_weights(model: nn.Module, weights: dict[str, torch.Tensor], directory: Path, adapter: str = "default") -> None:
     """The publishable files: LoRA -> adapter_config.json + adapter_model.safetensors (what vLLM's
-    /v1/load_lora_adapter and peft read); full -> config.json + model.safetensors.
+    /v1/load_lora_adapter and peft read); full -> config.json + model.safetensors. ``adapter``: which named LoRA
+    adapter ``weights`` belong to (adapters.py; its name is stripped from the saved keys, so every line's files look
+    alike).
 
     For LoRA this writes the two files directly (peft's save_pretrained also renders a model card and probes the
     hub for the base model's embedding layers, ~10x slower, on the publish path of every version).
@@ -112,12 +115,12 @@ def save_weights(model: nn.Module, weights: dict[str, torch.Tensor], directory: 
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    adapter = get_peft_model_state_dict(model, state_dict=weights, save_embedding_layers=False)
+    tensors = get_peft_model_state_dict(model, state_dict=weights, adapter_name=adapter, save_embedding_layers=False)
     save_file(
-        {k: v.contiguous() for k, v in adapter.items()},
+        {k: v.contiguous() for k, v in tensors.items()},
         str(directory / "adapter_model.safetensors"),
         metadata={"format": "pt"},
     )
-    config = copy.deepcopy(model.peft_config["default"])
+    config = copy.deepcopy(model.peft_config[adapter])
     config.inference_mode = True
     config.save_pretrained(str(directory))

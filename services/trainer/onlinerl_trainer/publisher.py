@@ -4,6 +4,12 @@ Order is the delivery invariant (docs/architecture.md): files + manifest + resum
 announcement, then the acknowledgement. The announcement and the acknowledgement go through the fenced scripts of
 fence.py, so a trainer that lost its lease can write a folder but never announce it or drop a sample; a refused
 announcement removes the folder it wrote (it is on no lineage), and the caller exits.
+
+One publisher per policy line (issue 39): the shared line's writes ``{checkpointDir}/{job}/v{N}`` and announces on the
+job's ``checkpoints`` stream as always; a project's writes ``{job}/projects/{project}/v{N}`` (``onlinerl.lines``) with
+``line`` in the manifest, announces on its line's stream under the same lease, and protects the versions its line's
+replicas, holds and policy table use. Acknowledging goes through ``settle``: a sample that also trains another line
+(``projects.trainShared``) leaves the stream only once every line that trained it has published it.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import orjson
@@ -21,9 +27,11 @@ import redis
 import torch
 
 from onlinerl.config import OnlineRLConfig
-from onlinerl.dataplane import checkpoints, holds, policy, versions
+from onlinerl.dataplane import checkpoints, holds, lines, policy, versions
 from onlinerl.dataplane import trainer as trainer_status
-from onlinerl.keys import Keys
+from onlinerl.keys import SHARED_LINE, Keys
+from onlinerl.lines import checkpoint_root
+from onlinerl_trainer.adapters import adapter_key
 from onlinerl_trainer.checkpoint import CheckpointStore, render_manifest
 from onlinerl_trainer.fence import FencedOut, Lease
 from onlinerl_trainer.metrics import TrainerMetrics
@@ -42,16 +50,20 @@ class Publisher:
         stream: SampleStream,
         metrics: TrainerMetrics,
         model_path: Path,
+        line: str = SHARED_LINE,
+        settle: Callable[[Sequence[str]], object] | None = None,
     ) -> None:
         self.cfg = cfg
         self.tcfg = cfg.trainer
-        self.keys = Keys(cfg.job)
+        self.line = line
+        self.keys = Keys(cfg.job).for_project(line) if line else Keys(cfg.job)
         self.client = client
         self.lease = lease
         self.stream = stream
+        self.settle = settle or stream.ack  # acknowledges what no other line still holds open (SampleFeed.settle)
         self.metrics = metrics
         self.model_path = Path(model_path)
-        self.store = CheckpointStore(Path(cfg.storage.checkpoint_dir) / cfg.job)
+        self.store = CheckpointStore(checkpoint_root(cfg.storage.checkpoint_dir, cfg.job, line))
         self.corrupt_versions: list[int] = []  # refused at resume, newest first
         self.unannounced: tuple[int, list[str]] | None = None  # on disk, XADD/ack still to do
         self.last_publish = time.monotonic()
@@ -132,9 +144,12 @@ class Publisher:
                 rebased_from=rebased_from,
                 rollback_at=rollback_at,
                 contributors=contributors,
+                line=self.line,
             )
 
-        self.store.publish(version, lambda tmp: save_weights(module, weights, tmp), manifest_for)
+        self.store.publish(
+            version, lambda tmp: save_weights(module, weights, tmp, adapter_key(self.line)), manifest_for
+        )
         self._written = version
         self.store.save_state(version, save_state, meta)
         self.last_publish = time.monotonic()
@@ -152,16 +167,23 @@ class Publisher:
             except FencedOut:
                 self._remove_refused(version)
                 raise
-        self.stream.ack(ids)
+        self.settle(ids)
         self.unannounced = None
-        self.metrics.version.set(version)
+        if not self.line:
+            self.metrics.version.set(version)
         self.metrics.last_checkpoint.set(time.time())
         pruned = self.store.prune(self.tcfg.checkpoint.keep, self.protected_versions())
         if pruned:
-            log.info("pruned versions %s", pruned)
-        trainer_status.write_status(self.client, self.keys, {"last_checkpoint_at": repr(time.time())})
-        log.info("published v%d (%d samples)", version, len(ids))
+            log.info("pruned versions %s%s", pruned, self.of_line)
+        field = f"last_checkpoint_at@{self.line}" if self.line else "last_checkpoint_at"
+        trainer_status.write_status(self.client, self.keys, {field: repr(time.time())})
+        log.info("published v%d%s (%d samples)", version, self.of_line, len(ids))
         return version, ids, pruned
+
+    @property
+    def of_line(self) -> str:
+        """For log lines: '' on the shared line, else " of project <name>"."""
+        return f" of project {self.line}" if self.line else ""
 
     def _remove_refused(self, version: int) -> None:
         """Our announcement was refused: the folder we wrote is on no lineage; the next trainer must not resume it."""
@@ -176,6 +198,8 @@ class Publisher:
         """XADD the version (fenced). ``rollback_at``: the manual rollback its lineage follows (0.0: none), so that
         serving and the rollout never make stable or gate a version trained on weights a rollback dropped."""
         manifest = self.store.manifest(version)
+        if self.line:  # the job's registry of project lines, before the line's first announcement (idempotent)
+            lines.register(self.client, self.keys.shared, self.line)
         self.lease.announce(
             {
                 "version": str(version),
@@ -187,7 +211,8 @@ class Publisher:
                 # lineage for `onlinerl forget` (issue 38): who trained this version, and what it was trained from
                 "parent_version": str(manifest.parent_version),
                 "contributors": orjson.dumps(manifest.contributors).decode(),
-            }
+            },
+            self.keys.checkpoints,
         )
 
     def last_announced(self) -> int:

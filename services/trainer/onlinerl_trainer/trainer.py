@@ -21,6 +21,13 @@ start from that version), what was trained since the last publish is trained aga
 manifest says so (``parent_version`` = the target, ``rebased_from`` = the version dropped, ``rollback_at`` = the
 rollback, carried down the lineage so a restart does not rebase twice). Training from the rolled-back weights would
 hand the next gate a version built on what the human refused.
+
+Per-project adapters (issue 39, ``projects.adapters``): the model holds one LoRA adapter per policy line on one base
+(adapters.py), and the loop is line-aware rather than forked: each batch is split by line (routing.py: a sample's
+project is its tenant), each line's samples make their own update with that line's optimizer, and each line
+(:class:`TrainLine`) has its own version counter, checkpoints, rollback following and publisher, all under the one
+trainer lease. A project's line opens once its traffic reaches ``projects.minSamplesPerHour``, from the shared line's
+stable version (v0: the seed's fresh LoRA, the shared adapter's own start).
 """
 
 from __future__ import annotations
@@ -30,33 +37,39 @@ import random
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import orjson
 import redis
 import torch
 
-from onlinerl.config import OnlineRLConfig
+from onlinerl.config import ConfigError, OnlineRLConfig
 from onlinerl.dataplane import policy
 from onlinerl.dataplane import samples as sample_family
 from onlinerl.dataplane import trainer as trainer_status
-from onlinerl.keys import Keys
-from onlinerl.schemas import PolicyTable
+from onlinerl.keys import SHARED_LINE, Keys, tenant_problem
+from onlinerl.lines import PROJECTS_DIR, checkpoint_root
+from onlinerl.schemas import PolicyTable, TrainingSample
+from onlinerl_trainer.adapters import lines_problem, trainer_config_for_lines
 from onlinerl_trainer.batching import Batch, collate
 from onlinerl_trainer.checkpoint import CheckpointStore
 from onlinerl_trainer.engine import Engine
-from onlinerl_trainer.feed import Recovery, SampleFeed
+from onlinerl_trainer.feed import Admitted, Recovery, SampleFeed
 from onlinerl_trainer.fence import FencedOut, Lease
 from onlinerl_trainer.learner import Learner
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.policy import all_finite
 from onlinerl_trainer.publisher import Publisher
 from onlinerl_trainer.ranks import Ranks
+from onlinerl_trainer.routing import HourlyTraffic, opens_line, route, served_line, stream_id_seconds
 from onlinerl_trainer.stream import DEFAULT_CONSUMER, Entry, SampleStream
 from onlinerl_trainer.update import UpdateResult
 
 log = logging.getLogger("onlinerl.trainer")
 
-__all__ = ["FencedOut", "NonFiniteWeightsError", "Recovery", "Trainer", "default_holder"]
+__all__ = ["FencedOut", "NonFiniteWeightsError", "Recovery", "TrainLine", "Trainer", "default_holder"]
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -66,6 +79,50 @@ class NonFiniteWeightsError(RuntimeError):
 def default_holder() -> str:
     """The lease holder's name: the pod name (a restarted container in the same pod takes its lease over at once)."""
     return socket.gethostname()
+
+
+@dataclass
+class TrainLine:
+    """One policy line as the trainer keeps it: where it publishes, where its version and step are, the manual
+    rollback its weights follow. Its trained sample ids are the feed's ``ledgers[name]``; its adapter and optimizer
+    the learner's ``adapters``."""
+
+    name: str
+    publisher: Publisher
+    version: int = 0
+    step: int = 0
+    samples_trained: int = 0
+    steps_since_publish: int = 0
+    last_stats: dict[str, float] = field(default_factory=dict)
+    rollback_at: float | None = None  # the manual rollback the current weights follow (manifest lineage)
+    rebased_from: int | None = None  # set by a rebase, written into the next manifest, then cleared
+    rebase_problem: str | None = None  # a rollback target that cannot be loaded: nothing is trained
+    origin: int | None = None  # a project line: the shared stable version its adapter started from (this run)
+
+    @property
+    def store(self) -> CheckpointStore:
+        return self.publisher.store
+
+    @property
+    def keys(self) -> Keys:
+        return self.publisher.keys
+
+    @property
+    def label(self) -> str:
+        """For log lines: "" on the shared line, else " of project <name>"."""
+        return self.publisher.of_line
+
+
+class SharedLineField:
+    """A read-only attribute of the trainer that is the shared line's (``Trainer.version`` = its version, ...)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Trainer | None, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        return getattr(trainer.shared, self.name)
 
 
 class Trainer:
@@ -84,10 +141,15 @@ class Trainer:
         lease: Lease | None = None,
     ) -> None:
         assert ranks.leader, "followers run a Learner only (learner.follow)"
+        problem = lines_problem(cfg)
+        if problem is not None:
+            raise ConfigError(problem)
         self.cfg = cfg
+        self.projects = cfg.projects
+        self.lines_on = cfg.projects.adapters != "off"
         self._retention_checked_at = 0.0  # enforce_retention: the last check (unix s)
-        self.tcfg = cfg.trainer
-        self.algo = cfg.trainer.algorithm
+        self.tcfg = trainer_config_for_lines(cfg)
+        self.algo = self.tcfg.algorithm
         self.keys = Keys(cfg.job)
         self.client = client
         self.model_path = Path(model_path)
@@ -97,34 +159,54 @@ class Trainer:
             lease.acquire()
         self.lease = lease
         self.metrics.lease_held.set(1)
-        stream = SampleStream(client, self.keys, lease, consumer, claim_idle_ms)
-        self.publisher = Publisher(cfg, client, lease, stream, self.metrics, self.model_path)
-        latest = self.publisher.newest_good_version()
+        self.stream = SampleStream(client, self.keys, lease, consumer, claim_idle_ms)
+        shared = TrainLine(SHARED_LINE, self._publisher(SHARED_LINE))
+        self.lines: dict[str, TrainLine] = {SHARED_LINE: shared}
+        latest = shared.publisher.newest_good_version()
         if ranks.distributed:  # every rank resumes this version (see ranks.py)
             ranks.connect()
             ranks.broadcast(("resume", latest))
-        self.learner = Learner(self.tcfg, self.model_path, ranks, self.store.path(latest) if latest else None)
-        self.feed = SampleFeed(
-            stream, self.tcfg, self.metrics, self.learner.vocab_size, self.publisher.kept_sample_ids(latest)
+        self.learner = Learner(
+            self.tcfg, self.model_path, ranks, shared.store.path(latest) if latest else None, lines=self.lines_on
         )
+        self.feed = SampleFeed(
+            self.stream, self.tcfg, self.metrics, self.learner.vocab_size, shared.publisher.kept_sample_ids(latest)
+        )
+        self.feed.router = self.lines_for
         # An unseen tenant starts at the reward of showing nothing, so its first rejects already push down.
         self.feed.baseline.prior = cfg.feedback.reward.empty
-        self.version = 0
-        self.step = 0
-        self.samples_trained = 0
-        self.steps_since_publish = 0
-        self.last_stats: dict[str, float] = {}
-        self.rollback_at: float | None = None  # the manual rollback the current weights follow (manifest lineage)
-        self.rebased_from: int | None = None  # set by a rebase, written into the next manifest, then cleared
-        self.rebase_problem: str | None = None  # a rollback target that cannot be loaded: nothing is trained
+        self.traffic = HourlyTraffic()
+        self._open_refused: dict[str, str] = {}  # project -> why its line could not open (logged once per reason)
+        self._tables: dict[str, PolicyTable] = {}  # policy tables read for the update in progress
+        self.last_updates: dict[str, dict[str, float]] = {}  # line -> statistics of its update in the last train_on
         self._tensorboard = self._open_tensorboard()
         if latest:
-            self._resume(latest)
+            self._resume(shared, latest)
+        if self.lines_on:
+            self._resume_project_lines()
 
-    # --- the parts, by the names tests and tools use ----------------------------------------------------------------
+    # --- the parts, by the names tests and tools use (the shared line's, where a line is meant) -----------------
+    @property
+    def shared(self) -> TrainLine:
+        return self.lines[SHARED_LINE]
+
+    # the shared line's state, read-only, by the names tests and tools use
+    version = SharedLineField()
+    step = SharedLineField()
+    samples_trained = SharedLineField()
+    steps_since_publish = SharedLineField()
+    last_stats = SharedLineField()
+    rollback_at = SharedLineField()
+    rebased_from = SharedLineField()
+    rebase_problem = SharedLineField()
+
+    @property
+    def publisher(self) -> Publisher:
+        return self.shared.publisher
+
     @property
     def store(self) -> CheckpointStore:
-        return self.publisher.store
+        return self.shared.store
 
     @property
     def engine(self) -> Engine:
@@ -144,7 +226,7 @@ class Trainer:
 
     @property
     def pending_ack(self) -> list[str]:
-        """Trained since the last published version: acknowledged with the next one."""
+        """Trained since the shared line's last published version: acknowledged with its next one."""
         return self.feed.open_ids
 
     @property
@@ -152,25 +234,95 @@ class Trainer:
         return self.feed.trained_ids
 
     # --- start-up ---------------------------------------------------------------------------------------------------
-    def _resume(self, latest: int) -> None:
-        self.version = latest
-        manifest = self.store.manifest(latest)
-        self.step = manifest.step
-        self.rollback_at = manifest.rollback_at
-        state = self.store.state_for(latest)
+    def _publisher(self, line: str) -> Publisher:
+        return Publisher(
+            self.cfg, self.client, self.lease, self.stream, self.metrics, self.model_path, line, self._settle
+        )
+
+    def _settle(self, ids: list[str]) -> int:
+        return self.feed.settle(ids)
+
+    def _resume(self, line: TrainLine, latest: int) -> None:
+        """``line`` continues from its ``v{latest}`` (its weights are loaded already): step, lineage, optimizer."""
+        line.version = latest
+        manifest = line.store.manifest(latest)
+        line.step = manifest.step
+        line.rollback_at = manifest.rollback_at
+        state = line.store.state_for(latest)
         if state is None:
-            log.warning("v%d has no saved optimizer state: resuming its weights with a fresh optimizer", latest)
+            log.warning(
+                "v%d%s has no saved optimizer state: resuming its weights with a fresh optimizer", latest, line.label
+            )
             return
         directory, meta = state
-        self.learner.resume(directory, meta)
-        self.step = int(meta.get("step", self.step))
-        self.samples_trained = int(meta.get("samples_trained", 0))
-        self.feed.baseline.load_state_dict(meta.get("baseline", {}))
-        log.info("resumed from v%d at step %d", latest, self.step)
+        with self.learner.on_line(line.name):
+            # the RNG is the job's: a project line's state does not reseed it
+            self.learner.resume(directory, meta if not line.name else {k: v for k, v in meta.items() if k != "rng"})
+        line.step = int(meta.get("step", line.step))
+        line.samples_trained = int(meta.get("samples_trained", 0))
+        baseline = meta.get("baseline", {})
+        if not line.name:
+            self.feed.baseline.load_state_dict(baseline)
+        elif line.name in baseline:  # a project's own tenant: its line saw its rewards last
+            self.feed.baseline.means[line.name] = float(baseline[line.name])
+        log.info("resumed%s from v%d at step %d", line.label, latest, line.step)
+
+    def _resume_project_lines(self) -> None:
+        """Every project that may have its own line and has a published version on disk gets its adapter back at
+        once (an open line stays open: routing.py), from its newest good version."""
+        root = checkpoint_root(self.cfg.storage.checkpoint_dir, self.cfg.job) / PROJECTS_DIR
+        if not root.is_dir():
+            return
+        for folder in sorted(root.iterdir()):
+            project = folder.name
+            if not folder.is_dir() or tenant_problem(project) is not None:
+                continue
+            if not self.projects.has_own_line(project):
+                log.info("project %s has checkpoints but no line of its own in projects: it trains shared", project)
+                continue
+            publisher = self._publisher(project)
+            latest = publisher.newest_good_version()
+            if latest:
+                line = self._add_line(project, publisher, publisher.store.path(latest), latest)
+                self._resume(line, latest)
+
+    def _add_line(self, project: str, publisher: Publisher, weights_from: Path | None, kept_from: int) -> TrainLine:
+        self.learner.adapters.add(project, weights_from)
+        self.feed.add_line(project, publisher.kept_sample_ids(kept_from) if kept_from else {})
+        line = self.lines[project] = TrainLine(project, publisher)
+        self.traffic.forget(project)
+        self.metrics.lines.set(len(self.lines))
+        return line
+
+    def open_line(self, project: str) -> bool:
+        """Give ``project`` its own adapter now: from its own newest version when its line has one on disk, else
+        from the shared line's stable version (v0: the seed's fresh LoRA, what the shared adapter started from).
+        False when the shared stable version cannot be loaded (its files fail their sha256): the project stays on
+        the shared line, ERROR in the log, and the next sample tries again."""
+        publisher = self._publisher(project)
+        own = publisher.newest_good_version()
+        if own:
+            line = self._add_line(project, publisher, publisher.store.path(own), own)
+            self._resume(line, own)
+            return True
+        stable = self._table(SHARED_LINE).stable
+        problems = self.shared.store.problems(stable) if stable else []
+        if problems:
+            why = f"shared stable v{stable} cannot be loaded: {'; '.join(problems)}"
+            if self._open_refused.get(project) != why:
+                log.error("project %s stays on the shared policy: %s", project, why)
+                self._open_refused[project] = why
+            return False
+        line = self._add_line(project, publisher, self.shared.store.path(stable) if stable else None, 0)
+        line.origin = stable
+        self._open_refused.pop(project, None)
+        log.info("project %s has its own adapter from now on, starting from shared stable v%d", project, stable)
+        return True
 
     def start(self) -> Recovery:
-        """Re-announce a version a crash left unannounced, then recover pending entries."""
-        self.publisher.reannounce(self.version)
+        """Re-announce a version a crash left unannounced (on every line), then recover pending entries."""
+        for line in self.lines.values():
+            line.publisher.reannounce(line.version)
         rec = self.feed.recover()
         corrupt = ",".join(str(v) for v in sorted(self.corrupt_versions))
         trainer_status.write_status(self.client, self.keys, {"corrupt_versions": corrupt})
@@ -178,9 +330,44 @@ class Trainer:
         self.metrics.version.set(self.version)
         return rec
 
+    # --- routing: which lines a sample trains ------------------------------------------------------------------------
+    def lines_for(self, sample_id: str, sample: TrainingSample) -> tuple[str, ...]:
+        """The feed's router: a project's traffic opens its line (routing.opens_line), then routing.route decides by
+        the tenant; a sample claiming another project's line is counted and logged, and trains its tenant's lines."""
+        project = sample.tenant
+        own_line_possible = self.lines_on and project not in self.lines and tenant_problem(project) is None
+        if own_line_possible and self.projects.has_own_line(project):
+            count = self.traffic.add(project, sample_id, stream_id_seconds(sample_id), time.time())
+            if opens_line(self.projects, project, count):
+                self.open_line(project)
+        decided = route(project, sample.line, self.lines, self.projects.train_shared)
+        if decided.claimed_other:
+            self.metrics.line_mismatch.inc()
+            log.warning(
+                "sample %s of project %s says project %r's line served it: it trains %s only (the tenant decides)",
+                sample_id,
+                project,
+                sample.line,
+                " and ".join(repr(x) if x else "the shared line" for x in decided.lines),
+            )
+        return decided.lines
+
+    def _position(self, sample: TrainingSample) -> tuple[int, int | None]:
+        """Version and oldest served version of the line that served ``sample`` (its staleness is counted there)."""
+        line = served_line(sample.tenant, sample.line, self.lines)
+        return self.lines[line].version, self.oldest_served(self._table(line))
+
+    def _table(self, line: str) -> PolicyTable:
+        """A line's policy table, read once per update."""
+        if line not in self._tables:
+            self._tables[line] = policy.read(
+                self.client, self.lines[line].keys if line in self.lines else self.keys.for_project(line)
+            )
+        return self._tables[line]
+
     # --- the loop ---------------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        """Read a batch -> advantages -> update -> maybe publish (which acknowledges), until ``stop``.
+        """Read a batch -> advantages -> update per line -> maybe publish (which acknowledges), until ``stop``.
 
         A Redis error drops the batch being read from memory (it is still pending at our consumer) and retries with
         backoff; losing the lease raises ``FencedOut`` at once: another trainer is publishing now.
@@ -194,8 +381,9 @@ class Trainer:
                 if lost_entries:
                     self.feed.requeue_own_pending(self._unannounced_ids())
                     lost_entries = False
-                if self.publisher.unannounced:
-                    self._finish_publish()
+                for line in list(self.lines.values()):
+                    if line.publisher.unannounced:
+                        self._finish_publish(line.name)
                 if self.tcfg.suspend:
                     self._status("suspended")
                     stop.wait(1.0)
@@ -203,11 +391,11 @@ class Trainer:
                 entries = self.collect(stop)
                 if entries:
                     self.train_on(entries)
-                if self.rebase_problem is not None:
-                    stop.wait(1.0)  # the rollback's target cannot be loaded: wait for a human, untrained
+                if any(line.rebase_problem is not None for line in self.lines.values()):
+                    stop.wait(1.0)  # a rollback's target cannot be loaded: wait for a human, untrained
                     continue
-                if self.should_publish():
-                    self.publish()
+                for name in self.due_lines():
+                    self.publish(name)
                 self.enforce_retention()
                 backoff = 0.5
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -215,8 +403,7 @@ class Trainer:
                 lost_entries = True
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
-        if self.pending_ack or self.publisher.unannounced:
-            self.publish()  # graceful stop: what was trained is published, then acknowledged
+        self.publish()  # graceful stop: what was trained is published on every line, then acknowledged
         self.learner.stop_followers()
         self._status("stopped")
 
@@ -248,33 +435,53 @@ class Trainer:
         return min(served)
 
     def train_on(self, entries: list[Entry]) -> dict[str, float] | None:
-        """One PPO update on these entries. Returns its statistics, or None when nothing was trainable/skipped."""
-        table = policy.read(self.client, self.keys)
-        if not self.follow_rollback(table):
-            self.feed.replay.extendleft(reversed(entries))  # untrained, unacknowledged: trained once it can rebase
-            return None
-        admitted = self.feed.admit(entries, self.version, self.oldest_served(table))
+        """One PPO update per policy line on these entries (each line's samples alone). Returns the statistics of
+        the shared line's update (else of the one line trained; all of them: ``last_updates``), or None when
+        nothing was trainable or every update was skipped."""
+        self._tables, self.last_updates = {}, {}
+        try:
+            return self._train_lines(entries)
+        finally:
+            self._tables = {}  # read again by the next update (and by a line opened between updates)
+
+    def _train_lines(self, entries: list[Entry]) -> dict[str, float] | None:
+        for line in list(self.lines.values()):
+            if not self.follow_rollback(self._table(line.name), line.name):
+                self.feed.replay.extendleft(reversed(entries))  # untrained, unacknowledged: trained once it can rebase
+                return None
+        admitted = self.feed.admit_lines(entries, self._position)
+        discarded: list[str] = []
+        for name in sorted(admitted):  # the shared line first, then the projects by name
+            stats = self._train_line(self.lines[name], admitted[name], discarded)
+            if stats is not None:
+                self.last_updates[name] = stats
+        self.feed.settle(discarded)  # after every line trained: a sample another line holds open stays pending
+        self._status("waiting")
+        if SHARED_LINE in self.last_updates:
+            return self.last_updates[SHARED_LINE]
+        return next(iter(self.last_updates.values()), None)
+
+    def _train_line(self, line: TrainLine, admitted: Admitted, discarded: list[str]) -> dict[str, float] | None:
+        """One PPO update of ``line``'s adapter on its admitted samples; a skipped step's ids go to ``discarded``."""
         samples, adv = admitted.samples, admitted.advantages
-        if not samples:
-            return None
         self._status("training")
         batch = collate(samples, self.tcfg.max_seq_len, self.pad_id)
         self.learner.send_update(samples, adv)
         t0 = time.perf_counter()
         adv_t = torch.tensor(adv, dtype=torch.float32)
-        result = self._update(batch, adv_t)
+        with self.learner.on_line(line.name):
+            result = self._update(batch, adv_t)
         elapsed = time.perf_counter() - t0
         ids = [s.sample_id for s in samples]
         if result.skipped_reason is not None:
-            log.error("step skipped (%s): discarding %d samples", result.skipped_reason, len(ids))
+            log.error("step skipped%s (%s): discarding %d samples", line.label, result.skipped_reason, len(ids))
             self.metrics.skipped.labels(result.skipped_reason).inc()
-            self.feed.stream.ack(ids)  # deliberately discarded: retrying a non-finite batch would loop forever
-            self._status("waiting")
+            discarded.extend(ids)  # deliberately discarded: retrying a non-finite batch would loop forever
             return None
-        self.step += 1
-        self.steps_since_publish += 1
-        self.samples_trained += len(ids)
-        self.feed.trained(ids, ((s.sample.tenant, s.sample.user_hash) for s in samples))
+        line.step += 1
+        line.steps_since_publish += 1
+        line.samples_trained += len(ids)
+        self.feed.trained(ids, ((s.sample.tenant, s.sample.user_hash) for s in samples), line.name)
         rewards = [s.sample.reward for s in samples]
         stats = {
             **result.stats,
@@ -285,50 +492,65 @@ class Trainer:
             "step_seconds": elapsed,
             "samples": float(len(ids)),
         }
-        self._record(stats, batch.num_tokens, elapsed)
-        self._status("waiting")
+        line.last_stats = stats
+        self._record(stats, batch.num_tokens, elapsed, line)
         return stats
 
     # --- manual rollbacks -------------------------------------------------------------------------------------------
-    def follow_rollback(self, table: PolicyTable) -> bool:
-        """Rebase onto the last manual rollback's target if these weights do not follow it yet. False while the
-        target cannot be loaded (nothing may be trained meanwhile: the status hash's ``rebase`` says why)."""
-        if table.rollback_to is None or table.rollback_at == self.rollback_at:
+    def follow_rollback(self, table: PolicyTable, line_name: str = SHARED_LINE) -> bool:
+        """Rebase ``line_name``'s adapter onto its last manual rollback's target if its weights do not follow it yet.
+        False while the target cannot be loaded (nothing may be trained meanwhile: the status hash's ``rebase`` says
+        why). A project line's v0 is a fresh start from the shared line's stable version, as when it opened."""
+        line = self.lines[line_name]
+        if table.rollback_to is None or table.rollback_at == line.rollback_at:
             return True
-        target, dropped = table.rollback_to, self.version
+        suffix = f"@{line.name}" if line.name else ""
+        target, dropped = table.rollback_to, line.version
         if target != dropped:
-            problems = self.store.problems(target) if target else []
+            source, problems = line.store.path(target), line.store.problems(target) if target else []
+            if not target:
+                stable = self._table(SHARED_LINE).stable if line.name else 0
+                source = self.shared.store.path(stable) if stable else None
+                problems = self.shared.store.problems(stable) if stable else []
             if problems:
-                why = f"cannot rebase onto v{target} (the rollback's target): {'; '.join(problems)}; not training"
-                if why != self.rebase_problem:
+                why = (
+                    f"cannot rebase{line.label} onto v{target} (the rollback's target): {'; '.join(problems)}; "
+                    "not training"
+                )
+                if why != line.rebase_problem:
                     log.error("%s", why)
-                    trainer_status.write_status(self.client, self.keys, {"rebase": why})
-                self.rebase_problem = why
+                    trainer_status.write_status(self.client, self.keys, {f"rebase{suffix}": why})
+                line.rebase_problem = why
                 return False
-            self.learner.rebase(self.store.path(target) if target else None)
-            again = self.feed.rebased(self.publisher.kept_sample_ids(target))
-            self.version, self.rebased_from, self.steps_since_publish = target, dropped, 0
+            with self.learner.on_line(line.name):
+                self.learner.rebase(source)
+            again = self.feed.rebased(line.publisher.kept_sample_ids(target), line.name)
+            line.version, line.rebased_from, line.steps_since_publish = target, dropped, 0
             log.warning(
-                "manual rollback to v%d: training from v%d's weights (v%d's dropped; %d entries trained since the "
+                "manual rollback%s to v%d: training from v%d's weights (v%d's dropped; %d entries trained since the "
                 "last publish are trained again)",
+                line.label,
                 target,
                 target,
                 dropped,
                 again,
             )
-        self.rollback_at, self.rebase_problem = table.rollback_at, None
+        line.rollback_at, line.rebase_problem = table.rollback_at, None
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.rollback_at))
         note = f"on v{target} since the rollback at {when}"
         note += f" (v{dropped}'s weights dropped)" if target != dropped else ""
-        trainer_status.write_status(self.client, self.keys, {"rebase": note, "version": str(self.version)})
-        self.metrics.version.set(self.version)
+        trainer_status.write_status(
+            self.client, self.keys, {f"rebase{suffix}": note, f"version{suffix}": str(line.version)}
+        )
+        if not line.name:
+            self.metrics.version.set(line.version)
         return True
 
     def _update(self, batch: Batch, advantages: torch.Tensor) -> UpdateResult:
+        """One PPO update of the line the learner is on (``Learner.on_line``)."""
         return self.learner.update_batch(batch, advantages)
 
-    def _record(self, stats: dict[str, float], tokens: int, elapsed: float) -> None:
-        self.last_stats = stats
+    def _record(self, stats: dict[str, float], tokens: int, elapsed: float, line: TrainLine) -> None:
         m = self.metrics
         m.record_stats(stats)
         m.samples.inc(stats["samples"])
@@ -338,63 +560,90 @@ class Trainer:
         m.samples_per_second.set(stats["samples"] / max(elapsed, 1e-9))
         m.tokens_per_second.set(tokens / max(elapsed, 1e-9))
         if self._tensorboard is not None:
+            prefix = f"trainer@{line.name}" if line.name else "trainer"
             for k, v in stats.items():
-                self._tensorboard.add_scalar(f"trainer/{k}", v, self.step)
+                self._tensorboard.add_scalar(f"{prefix}/{k}", v, line.step)
 
     # --- publishing -------------------------------------------------------------------------------------------------
+    def due_lines(self) -> list[str]:
+        """Lines whose publish is due (``checkpoint.everySteps`` steps or ``everySeconds`` of their own)."""
+        return [
+            name
+            for name, line in self.lines.items()
+            if line.publisher.due(len(self.feed.ledgers[name].open_ids), line.steps_since_publish)
+        ]
+
     def should_publish(self) -> bool:
-        return self.publisher.due(len(self.pending_ack), self.steps_since_publish)
+        return bool(self.due_lines())
 
-    def publish(self) -> int | None:
-        """Write v{N+1} (weights + manifest), save the resume state, announce, then acknowledge its samples."""
-        if self.publisher.unannounced:
-            self._finish_publish()
-        if not self.pending_ack:
+    def publish(self, line: str | None = None) -> int | None:
+        """Write ``line``'s v{N+1} (weights + manifest), save its resume state, announce, then acknowledge what no
+        other line still holds. ``line`` None: every line with something to publish. Returns the version published
+        on ``line`` (None: the shared line's), or None when there was nothing to publish."""
+        names = [line] if line is not None else list(self.lines)
+        published: dict[str, int | None] = {}
+        for name in names:
+            published[name] = self._publish_line(self.lines[name])
+        return published.get(SHARED_LINE if line is None else line)
+
+    def _publish_line(self, line: TrainLine) -> int | None:
+        if line.publisher.unannounced:
+            self._finish_publish(line.name)
+        if not self.feed.ledgers[line.name].open_ids:
             return None
-        version = self.write_version()
-        self._finish_publish()
+        version = self.write_version(line.name)
+        self._finish_publish(line.name)
         return version
 
-    def write_version(self) -> int:
-        """The durable half of publishing: v{N+1} on disk and its resume state. Nothing is announced or acked yet."""
+    def write_version(self, line_name: str = SHARED_LINE) -> int:
+        """The durable half of publishing: the line's v{N+1} on disk and its resume state. Nothing is announced or
+        acked yet."""
+        line = self.lines[line_name]
         self._status("publishing")
-        weights = self.learner.trainable_weights()
-        if not all_finite(weights):
-            self.metrics.skipped.labels("nonfinite_weights").inc()
-            self._status("failed")
-            raise NonFiniteWeightsError(f"non-finite weights after step {self.step}: v{self.version + 1} not published")
-        version = self.publisher.write(
-            parent=self.version,
-            step=self.step,
-            ids=list(self.pending_ack),
-            stats={**self.last_stats, "samples_trained_total": float(self.samples_trained)},
-            weights=weights,
-            module=self.engine.module,
-            save_state=self.learner.save_state,
-            meta={
-                "step": self.step,
-                "samples_trained": self.samples_trained,
-                "baseline": self.feed.baseline.state_dict(),
-                "rng": random.randrange(2**31),
-            },
-            rebased_from=self.rebased_from,
-            rollback_at=self.rollback_at,
-            contributors=self.feed.take_contributors(),
-        )
-        self.rebased_from = None
-        self.version = version
-        self.feed.sealed(version)
-        self.steps_since_publish = 0
+        with self.learner.on_line(line.name):
+            weights = self.learner.trainable_weights()
+            if not all_finite(weights):
+                self.metrics.skipped.labels("nonfinite_weights").inc()
+                self._status("failed")
+                raise NonFiniteWeightsError(
+                    f"non-finite weights after step {line.step}{line.label}: v{line.version + 1} not published"
+                )
+            origin = {} if line.origin is None else {"origin_shared_version": float(line.origin)}
+            version = line.publisher.write(
+                parent=line.version,
+                step=line.step,
+                ids=list(self.feed.ledgers[line.name].open_ids),
+                stats={**line.last_stats, "samples_trained_total": float(line.samples_trained), **origin},
+                weights=weights,
+                module=self.engine.module,
+                save_state=self.learner.save_state,
+                meta={
+                    "step": line.step,
+                    "samples_trained": line.samples_trained,
+                    "baseline": self.feed.baseline.state_dict(),
+                    "rng": random.randrange(2**31),
+                },
+                rebased_from=line.rebased_from,
+                rollback_at=line.rollback_at,
+                contributors=self.feed.take_contributors(line.name),
+            )
+        line.rebased_from = None
+        line.version = version
+        self.feed.sealed(version, line.name)
+        line.steps_since_publish = 0
         return version
 
-    def _finish_publish(self) -> None:
-        """Announce the written version, acknowledge its samples, prune old versions (retried if Redis fails)."""
-        _, _, pruned = self.publisher.finish()
-        self.feed.forget(pruned)
+    def _finish_publish(self, line_name: str = SHARED_LINE) -> None:
+        """Announce the line's written version, acknowledge its samples, prune old versions (retried if Redis
+        fails)."""
+        _, _, pruned = self.lines[line_name].publisher.finish()
+        self.feed.forget(pruned, line_name)
         self._status("waiting")
 
     def _unannounced_ids(self) -> set[str]:
-        return set(self.publisher.unannounced[1]) if self.publisher.unannounced else set()
+        return {
+            sid for line in self.lines.values() if line.publisher.unannounced for sid in line.publisher.unannounced[1]
+        }
 
     # --- status -----------------------------------------------------------------------------------------------------
     def _status(self, state: str) -> None:
@@ -411,6 +660,12 @@ class Trainer:
                 "state": state,
                 "engine": self.engine.name,
                 "updated_at": repr(time.time()),
+                # project lines (issue 39): project -> its version
+                **(
+                    {"projects": orjson.dumps({n: x.version for n, x in self.lines.items() if n}).decode()}
+                    if self.lines_on
+                    else {}
+                ),
             },
         )
 

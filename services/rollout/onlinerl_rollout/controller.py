@@ -292,6 +292,7 @@ class RolloutController:
     def _run_gate(self, version: int, stable: int, needs_preview: bool = False) -> GateResult | str | None:
         """The gate's result; a reason string when it failed without figures; None to retry on the next tick.
         ``needs_preview``: the candidate is not in vLLM (full weights, ``ready``): its eval runs in a preview."""
+        self.gate_baseline = ""
         if not self.cfg.gate.enabled:
             return _passed_without_eval()
         if self.clock() < self._gate_retry_at.get(version, 0.0):

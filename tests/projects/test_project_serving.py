@@ -39,6 +39,7 @@ PROMPT = "def fibonacci(n):\n    "
 ACME = [f"sk-acme-user-{i}-0123456789" for i in range(3)]
 BETA = [f"sk-beta-user-{i}-0123456789" for i in range(2)]
 GAMMA = "sk-gamma-user-0123456789"
+DELTA = "sk-delta-user-0123456789"
 ACME_EVAL, BETA_EVAL = "sk-acme-eval-0123456789", "sk-beta-eval-0123456789"
 K = Keys(JOB)
 KA, KB = K.for_project("acme"), K.for_project("beta")
@@ -98,6 +99,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_lora_engine: SharedEngi
             "acme": [*ACME, {"key": ACME_EVAL, "role": "eval"}],
             "beta": [*BETA, {"key": BETA_EVAL, "role": "eval"}],
             "gamma": [GAMMA],
+            "delta": [DELTA],
         },
     )
     valkey = EmbeddedValkey(tmp / "valkey").start()
@@ -111,7 +113,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_lora_engine: SharedEngi
         storage={"checkpointDir": str(tmp / "ckpt")},
         serving={"host": "127.0.0.1", "port": gw_port, "engineUrl": engine.url, "keepVersions": 3},
         rollout={"strategy": "canary", "gate": {"enabled": False}},  # tables set here, as the controller would
-        projects={"adapters": "listed", "listed": ["acme", "beta"]},
+        projects={"adapters": "listed", "listed": ["acme", "beta", "delta"]},
     )
     r = redis.Redis.from_url(valkey.url)
     children: list[Child] = []
@@ -232,6 +234,32 @@ def test_a_rollback_of_one_project_leaves_the_others_routing_untouched(stack: St
 
 
 @pytest.mark.vllm
+def test_a_lines_first_canary_reaches_its_users_and_counts_both_arms_on_the_line(stack: Stack) -> None:
+    """delta promoted nothing yet (stable 0): its first version's canary (split by request) serves delta's v1 on the
+    candidate arm and, on the stable arm, what delta was served until now, the shared stable v1, recorded as delta's
+    v0; both arms count on delta's line, which is what its canary compares."""
+    s = stack
+    kd = K.for_project("delta")
+    s.publish("delta", 1, 41)
+    s.r.hset(kd.policy, mapping={"stable": 0, "candidate": 1, "canary_share": 0.5, "split": "request"})
+    wait_for(lambda: "delta" in s.ready()["project_lines"], 90, what="delta's v1 loaded and its canary routed")
+    got: dict[str, tuple[str, int, str]] = {}
+    for _ in range(60):
+        resp, rec = s.complete(DELTA)
+        assert resp.status_code == 200, resp.text
+        got[rec.arm] = (rec.line, rec.policy_version, rec.served_model)
+        if len(got) == 2:
+            break
+    assert got == {
+        "candidate": ("delta", 1, adapter_name(JOB, 1, "delta")),
+        "stable": ("delta", 0, adapter_name(JOB, 1)),
+    }
+    assert (
+        int(s.r.hget(kd.stats(0, "stable"), "served")) >= 1 and int(s.r.hget(kd.stats(1, "candidate"), "served")) >= 1
+    )
+
+
+@pytest.mark.vllm
 def test_a_cold_adapter_serves_its_first_request_and_the_latency_it_costs(stack: Stack) -> None:
     """More adapters registered than vLLM keeps in memory (the shared engine: ``--max-loras 4``, so
     ``--max-cpu-loras`` 4): cycling through them, each one's first request finds it evicted (least recently used) and
@@ -245,7 +273,9 @@ def test_a_cold_adapter_serves_its_first_request_and_the_latency_it_costs(stack:
     s.publish("acme", 2, 22)
     wait_for(lambda: all(s.loaded("beta", v) for v in (2, 3)) and s.loaded("acme", 2), 120, what="beta v2, v3")
     wanted = {"acme": [0, 1, 2], "beta": [0, 1, 2, 3]}
-    wait_for(lambda: s.ready()["project_lines"] == wanted, 30, what="the gateway to see them")
+    wait_for(
+        lambda: {p: s.ready()["project_lines"].get(p) for p in wanted} == wanted, 30, what="the gateway to see them"
+    )
     cycle = [(BETA_EVAL, "beta", v) for v in (1, 2, 3)] + [(ACME_EVAL, "acme", v) for v in (1, 2)]
     cycle.append((ACME_EVAL, "", 1))
     assert len(cycle) >= 4 + 2  # two more adapters than vLLM's 4 in memory: every adapter is evicted between uses

@@ -62,8 +62,12 @@ def test_a_line_is_routable_only_with_a_stable_above_0_loaded_at_or_below_it() -
     assert set(lines) == {"acme"} and lines["acme"].loaded == {0, 1, 2}
     tables["beta"] = PolicyTable(stable=4)  # v4 loading: beta keeps v3 instead of flapping to the shared policy
     assert set(routable(projects, tables, loaded)) == {"acme", "beta"}
-    tables["acme"] = PolicyTable(stable=0, pinned=1)  # rolled back to 0: the shared policy again
+    tables["acme"] = PolicyTable(stable=0, hold=0)  # rolled back to 0: the shared policy again
     assert set(routable(projects, tables, loaded)) == {"beta"}
+    tables["acme"] = PolicyTable(stable=0, candidate=3, canary_share=0.5)  # a first canary of a version not here
+    assert set(routable(projects, tables, loaded)) == {"beta"}
+    tables["acme"] = PolicyTable(stable=0, candidate=2, canary_share=0.5)  # ...of one loaded here: routed
+    assert set(routable(projects, tables, loaded)) == {"acme", "beta"}
     assert routable(_cfg("off").projects, tables, loaded) == {}
 
 
@@ -96,6 +100,21 @@ def test_each_key_is_routed_on_its_own_projects_line_and_never_on_another(gatewa
             if tenant == "acme":  # the line's own canary: the candidate arm serves acme's v2, its table is acme's
                 assert (r.arm, model) in (("stable", "j@acme-v1"), ("candidate", "j@acme-v2")) and table.candidate == 2
     assert seen == {"acme": {"j@acme-v1", "j@acme-v2"}, "beta": {"j@beta-v1"}, "gamma": {"j-v1"}}
+
+
+def test_a_lines_first_canary_serves_its_stable_arm_the_shared_stable_counted_on_the_line(gateway: Gateway) -> None:
+    """acme promoted nothing yet (stable 0) and runs v2's canary on half its users: the candidate arm gets acme's v2,
+    the stable arm what acme was served until now (the shared stable v1), recorded as acme's v0 so that the line's
+    canary compares the two on acme's own counters; beta's routing does not change."""
+    st = gateway.state
+    st.line_tables["acme"] = PolicyTable(stable=0, candidate=2, canary_share=0.5)
+    st.lines = routable(gateway.cfg.projects, st.line_tables, st.line_loaded)
+    got = set()
+    for i in range(200):
+        r, model, line, table = gateway.pick(user_hash(f"sk-user-{i}"), tenant="acme")
+        got.add((r.arm, r.version, model, line, table.candidate))
+        assert gateway.pick(user_hash(f"sk-user-{i}"), tenant="beta")[1] == "j@beta-v1"
+    assert got == {("stable", 0, "j-v1", "acme", 2), ("candidate", 2, "j@acme-v2", "acme", 2)}
 
 
 def test_an_evaluation_pins_a_version_of_its_own_line_or_the_shared_one(gateway: Gateway) -> None:

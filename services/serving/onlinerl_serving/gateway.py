@@ -9,7 +9,9 @@ Per-project adapters (issue 39): a key is routed on its project's own policy lin
 here (``ServingState.lines``: the project is the key's tenant, never anything the client sends), with that line's
 table and the same routing rules; else on the shared line. ``X-Project-ID`` naming another project than the key's is
 refused (403 ``wrong_project``, as the feedback service does); body fields (``model``, ``user``, anything else) never
-choose a line or an adapter. An evaluation key asks for a version of its own project's line with
+choose a line or an adapter. A line that promoted nothing yet (stable 0) is routed while it runs its first canary:
+its candidate arm gets the line's candidate, its stable arm the shared stable, recorded as the line's v0 (the
+project's baseline, what it was served until now). An evaluation key asks for a version of its own project's line with
 ``X-OnlineRL-Line: <its project>`` beside ``X-OnlineRL-Version`` (default: the shared line). The record carries the
 line, the line's version and the adapter that served it; ``served`` counts on that line's stats.
 """
@@ -33,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from onlinerl.arms import CANDIDATE, EVAL, STABLE, Arm
+from onlinerl.arms import CANDIDATE, EVAL, PINNED, STABLE, Arm
 from onlinerl.asgi import ASGIApp, Receive, Scope, Send, read_capped, serve, with_hot_route
 from onlinerl.auth import KeyRing, bearer_token, reveals_routing
 from onlinerl.config import OnlineRLConfig, load_config
@@ -54,7 +56,7 @@ from onlinerl_serving.requests import (
     with_exploration,
 )
 from onlinerl_serving.routing import Route as PolicyRoute
-from onlinerl_serving.routing import choose, route, served_model_name, user_hash
+from onlinerl_serving.routing import choose, newest_loaded_at_most, route, served_model_name, user_hash
 from onlinerl_serving.screening import SecretScreen
 from onlinerl_serving.state import ServingState
 from onlinerl_serving.upstream import EnginePool, EngineTimeout, EngineUnavailable, UpstreamResponse
@@ -184,6 +186,11 @@ class Gateway:
             if own is not None:
                 line, table = tenant, own.table
                 r = route(table, uhash, own.loaded, draw)
+                if r.version == 0 and table.stable == 0 and r.arm != PINNED:
+                    # The line promoted nothing yet (its first canary): v0 of the line is what the project is served
+                    # now, the shared stable; counted on the line's stable arm (v0), recorded with the shared model.
+                    shared = newest_loaded_at_most(self.state.policy.stable, self.state.loaded_versions())
+                    return r, self.model_for(SHARED_LINE, shared), line, table
             else:
                 r = route(table, uhash, self.state.loaded_versions(), draw)
         return r, self.model_for(line, r.version), line, table

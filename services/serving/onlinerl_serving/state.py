@@ -65,14 +65,23 @@ def routable(
 ) -> dict[str, LineState]:
     """The project lines a user request may be routed on: the config gives the project a line of its own, and its
     table has a stable version above 0 with it, or an older version of the line, loaded here (while a newly promoted
-    stable loads, the line's users keep its previous version instead of flapping to the shared policy). Every other
-    project, and one rolled back to 0, is served the shared policy."""
+    stable loads, the line's users keep its previous version instead of flapping to the shared policy). A line that
+    promoted nothing yet (stable 0) is routed only while it runs a canary of a version loaded here, or pins one: its
+    users must reach the candidate, and its stable arm serves them what they are served now, the shared stable
+    (``Gateway.pick``), counted on the line. Every other project, and one rolled back to 0, is served the shared
+    policy on the shared line."""
     out = {}
     for project, versions in loaded.items():
         table = tables.get(project)
-        if table is None or not projects.has_own_line(project) or table.stable <= 0:
+        if table is None or not projects.has_own_line(project):
             continue
-        if newest_loaded_at_most(table.stable, versions) > 0:
+        if table.stable > 0:
+            routed = newest_loaded_at_most(table.stable, versions) > 0
+        elif table.pinned is not None:
+            routed = table.pinned in versions
+        else:
+            routed = table.candidate in versions and table.canary_share > 0
+        if routed:
             out[project] = LineState(table, versions | {0})
     return out
 

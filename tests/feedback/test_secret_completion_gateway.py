@@ -22,9 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
-from onlinerl.config import load_config
 from onlinerl.fim import get_template
 from onlinerl.keys import Keys
 from onlinerl.loop.continue_client import ContinueClient
@@ -37,6 +35,7 @@ from tests.feedback.gateway_stack import as_own_users
 from tests.feedback.test_rate_own_rollouts_gateway import vk  # noqa: F401 (the module's valkey fixture)
 from tests.feedback.test_secret_screening_gateway import accept_is_audited_never_trained, metric
 from tests.privacy_corpus import every_value, fake_github_token
+from tests.trainer_publish import publish_as_the_trainer
 
 pytestmark = pytest.mark.vllm
 
@@ -53,10 +52,8 @@ def teach_the_token(base: Path, prompt: str, token: str):
     """The base model fine-tuned (Adam, one sequence) until its greedy continuation of ``prompt`` is ``token`` then
     end-of-text, each step led by ``MIN_MARGIN`` logits. Returns (model, the token's ids).
 
-    The (tied) embeddings stay frozen: vLLM 0.32's in-place ``reload_weights`` does not keep the LM head tied to them.
-    A version whose trained embeddings are published as the trainer writes them (``model.embed_tokens.weight`` only)
-    is served with the old LM head, not as trained, and a later reload of the base leaves the last explicit LM head
-    in place. The layers and norms alone learn the token."""
+    Every weight learns, the (tied) embeddings and LM head included: the publisher writes the head vLLM needs to serve
+    them as trained, and v0's copy of the base with its head for the way back (onlinerl/tied_head.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,7 +67,6 @@ def teach_the_token(base: Path, prompt: str, token: str):
     labels = ids.clone()
     labels[0, : len(prompt_ids)] = -100
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.get_input_embeddings().weight.requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for step in range(400):
         loss = model(ids, labels=labels).loss
@@ -84,28 +80,6 @@ def teach_the_token(base: Path, prompt: str, token: str):
             if (logits.argmax(-1) == ids[0, len(prompt_ids) :]).all() and (top2[:, 0] - top2[:, 1]).min() > MIN_MARGIN:
                 return model.eval(), token_ids
     raise AssertionError(f"the model did not learn the token in 400 steps (loss {loss.item():.3f})")
-
-
-def publish_as_the_trainer(config: Path, trainer_url: str, model, base: Path) -> int:
-    """Write and announce the weights as the trainer does (onlinerl_trainer.publisher: files, fsync, manifest last,
-    rename; XADD under the trainer lease's fence), as the trainer's own Redis user. Returns the version."""
-    from onlinerl_trainer.fence import Lease
-    from onlinerl_trainer.publisher import Publisher
-
-    client = redis.Redis.from_url(trainer_url)
-    lease = Lease(client, K, holder="test-sft")
-    try:
-        assert lease.acquire()
-        publisher = Publisher(load_config(config), client, lease, None, None, base)  # type: ignore[arg-type]
-        weights = {k: p.detach().clone() for k, p in model.named_parameters()}  # as the trainer's engine hands them
-        version = publisher.write(
-            parent=0, step=1, ids=[], stats={}, weights=weights, module=model, save_state=lambda _: None, meta={}
-        )
-        publisher.announce(version)
-        return version
-    finally:
-        lease.release()
-        client.close()
 
 
 def holds_ids(value: bytes, ids: list[int]) -> bool:

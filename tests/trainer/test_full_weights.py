@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from onlinerl.tied_head import BASE_DIR, LM_HEAD_FILE, LM_HEAD_KEY, base_weights_path
 from onlinerl_trainer.trainer import Trainer
 
 from .conftest import make_sample, trainer_config, xadd_samples
@@ -39,6 +43,15 @@ def test_full_weights_publish_load_and_resume(tmp_path, redis_client, empty_valk
     v1 = trainer.store.path(1)
     assert {"config.json", "model.safetensors", "manifest.json"} <= {p.name for p in v1.iterdir()}
     assert trainer.store.manifest(1).kind == "full" and trainer.store.verify(1)
+    # the tied LM head travels as the trained embeddings, checksummed; v0's copy of the base carries the base's
+    assert LM_HEAD_FILE in trainer.store.manifest(1).files
+    trained = trainer.engine.module.get_input_embeddings().weight.detach()
+    assert torch.equal(load_file(str(v1 / LM_HEAD_FILE))[LM_HEAD_KEY], trained)
+    path, problems = base_weights_path(trainer.store.root, str(tiny_model_path))
+    assert (path, problems) == (str(trainer.store.root / BASE_DIR), [])
+    base_embeddings = load_file(str(tiny_model_path / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(load_file(str(Path(path) / LM_HEAD_FILE))[LM_HEAD_KEY], base_embeddings)
+    assert not torch.equal(trained, base_embeddings)
 
     loaded = AutoModelForCausalLM.from_pretrained(v1, dtype=torch.float32).eval()
     ids = torch.tensor([[*PROMPT, 966, 446]])

@@ -56,8 +56,9 @@ from onlinerl import ports
 from onlinerl.config import OnlineRLConfig, load_config
 from onlinerl.dataplane import audit, checkpoints, holds, policy, versions
 from onlinerl.keys import SHARED_LINE, Keys
-from onlinerl.lines import adapter_name
+from onlinerl.lines import adapter_name, checkpoint_root
 from onlinerl.schemas import AuditEntry, PolicyTable, PolicyVersionState
+from onlinerl.tied_head import BASE_DIR, base_weights_path
 from onlinerl_serving.checkpoints import Announcement, CheckpointError, confine, validate
 from onlinerl_serving.engine_admin import EngineAdmin, EngineError
 from onlinerl_serving.metrics import ReloaderMetrics
@@ -461,13 +462,27 @@ class Reloader:
         s.verified = True
         return True
 
+    def base_weights(self) -> str:
+        """What vLLM reloads for v0 (blocking file I/O): the trainer's copy of the base with its tied LM head when it
+        checks out, else ``model.path`` (onlinerl/tied_head.py: without a head, vLLM keeps the last version's)."""
+        root = checkpoint_root(self.cfg.storage.checkpoint_dir, self.cfg.job)
+        path, problems = base_weights_path(root, self.cfg.model.path)
+        if problems:
+            log.error(
+                "refusing %s for v0 (%s): reloading %s, its LM head may stay the last version's",
+                root / BASE_DIR,
+                "; ".join(problems),
+                path,
+            )
+        return path
+
     async def _switch_full(self, v: int, table: PolicyTable, preview: bool = False) -> bool:
         """Make vLLM hold v (its directory, or the base model for v0) with the gateway drained around the swap;
         ``preview``: for the eval gate's requests only (the gateway keeps user requests waiting)."""
         s = self.versions.get(v)
         if s is not None and not await self._verify(v):
             return False
-        path = s.ann.path if s is not None else self.cfg.model.path
+        path = s.ann.path if s is not None else await asyncio.to_thread(self.base_weights)
         if s is not None:
             s.state = "loading"
             await self._save_state(v)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from onlinerl.config import TrainerConfig
+from onlinerl_trainer.head_files import tied_embedding_name, write_lm_head
 
 
 def load_policy(model_path: Path, cfg: TrainerConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -102,15 +103,20 @@ def load_weights_from_checkpoint(model: nn.Module, version_dir: Path, adapter: s
 
 def save_weights(model: nn.Module, weights: dict[str, torch.Tensor], directory: Path, adapter: str = "default") -> None:
     """The publishable files: LoRA -> adapter_config.json + adapter_model.safetensors (what vLLM's
-    /v1/load_lora_adapter and peft read); full -> config.json + model.safetensors. ``adapter``: which named LoRA
-    adapter ``weights`` belong to (adapters.py; its name is stripped from the saved keys, so every line's files look
-    alike).
+    /v1/load_lora_adapter and peft read); full -> config.json + model.safetensors, and for a model whose LM head is
+    tied to its embeddings also lm_head.safetensors holding the trained embeddings as ``lm_head.weight``: vLLM's
+    in-place reload keeps a tied head only when it is given one (onlinerl/tied_head.py). ``adapter``: which named
+    LoRA adapter ``weights`` belong to (adapters.py; its name is stripped from the saved keys, so every line's files
+    look alike).
 
     For LoRA this writes the two files directly (peft's save_pretrained also renders a model card and probes the
     hub for the base model's embedding layers, ~10x slower, on the publish path of every version).
     """
     if not is_lora(model):
         model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+        tied = tied_embedding_name(model)
+        if tied is not None:
+            write_lm_head(directory, weights[tied] if tied in weights else model.get_input_embeddings().weight)
         return
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file

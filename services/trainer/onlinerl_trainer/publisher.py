@@ -34,6 +34,7 @@ from onlinerl.lines import checkpoint_root
 from onlinerl_trainer.adapters import adapter_key
 from onlinerl_trainer.checkpoint import CheckpointStore, render_manifest
 from onlinerl_trainer.fence import FencedOut, Lease
+from onlinerl_trainer.head_files import ensure_base_dir_for
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.policy import save_weights
 from onlinerl_trainer.stream import SampleStream
@@ -147,6 +148,8 @@ class Publisher:
                 line=self.line,
             )
 
+        if self.tcfg.weights == "full":  # v0's weights with a head, before any version whose head vLLM would keep
+            ensure_base_dir_for(module, self.store.root, self.model_path)
         self.store.publish(
             version, lambda tmp: save_weights(module, weights, tmp, adapter_key(self.line)), manifest_for
         )

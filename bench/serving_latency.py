@@ -125,9 +125,11 @@ def run(
     max_tokens: int,
     warmup: int,
     breakdown: bool = False,
+    engines: dict[str, str] | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """``gateways``: path name -> gateway URL (ours, and an older commit's with ``--baseline-ref``); ``breakdown``
-    adds one direct path per part of the capture (CAPTURE_PARTS)."""
+    adds one direct path per part of the capture (CAPTURE_PARTS); ``engines``: more vLLM servers (name -> URL), each
+    timed with the client's body and with the capture's (``direct <name>``, ``direct+cap <name>``)."""
     limits = Limits(10**6, 10**6, 10**6)
     auth = {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY}
     engine = f"{engine_url}/v1/completions"
@@ -144,10 +146,15 @@ def run(
                 (name, engine, orjson.dumps({**body(stream, max_tokens), **extra}), json_only)
                 for name, extra in parts.items()
             ),
+            *(
+                (f"{kind} {name}", f"{url}/v1/completions", payload, json_only)
+                for name, url in (engines or {}).items()
+                for kind, payload in (("direct", plain), ("direct+cap", cap))
+            ),
             *((name, f"{url}/v1/completions", plain, auth) for name, url in gateways.items()),
         ]
     out: dict[str, dict[str, list[float]]] = {
-        p: {"total": [], "ttft": [], "stream_total": []} for p in ("direct", "direct+cap", *parts, *gateways)
+        name: {"total": [], "ttft": [], "stream_total": []} for name, *_ in paths[True]
     }
     with httpx.Client(timeout=120) as client:
         for i in range(warmup + n):
@@ -196,6 +203,21 @@ def others_than_ours() -> str:
     return ",".join(sorted(names - {"onlinerl_eager_rank"})) or "none"
 
 
+def capture_costs(res: dict[str, dict[str, list[float]]]) -> str:
+    """The capture's cost on each engine: paired median of (direct+cap - direct) on the same engine, per metric."""
+    lines = []
+    for suffix in sorted({name[len("direct") :] for name in res if name.startswith("direct") and "+" not in name}):
+        plain, cap = res[f"direct{suffix}"], res.get(f"direct+cap{suffix}")
+        if cap is None:
+            continue
+        figures = ", ".join(
+            f"{label} {paired_median(cap[m], plain[m]) * 1e3:+.2f} ms"
+            for m, label in (("total", "non-stream"), ("stream_total", "stream total"), ("ttft", "TTFT"))
+        )
+        lines.append(f"capture cost on the engine{suffix or ' with the plugin'}: {figures}")
+    return "\n".join(lines)
+
+
 def machine() -> str:
     cpu = ""
     try:
@@ -219,6 +241,11 @@ def main() -> int:
     ap.add_argument("--write", default="", help="append the table to this markdown file (e.g. bench/RESULTS.md)")
     ap.add_argument("--baseline-ref", default="", help="also measure the gateway of this git commit, interleaved")
     ap.add_argument(
+        "--ab-plugin",
+        action="store_true",
+        help="also start a second vLLM without onlinerl's vLLM plugin and time it in the same run (before/after)",
+    )
+    ap.add_argument(
         "--without-plugin",
         action="store_true",
         help="start vLLM without onlinerl's vLLM plugin (onlinerl_serving/vllm_plugin.py): the capture's old cost",
@@ -233,6 +260,7 @@ def main() -> int:
     valkey = EmbeddedValkey(tmp / "valkey").start()
     try:
         engine_url = args.engine_url
+        extra_engines: dict[str, str] = {}
         if not engine_url:
             from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
             from onlinerl_serving.engine import start_vllm
@@ -247,6 +275,11 @@ def main() -> int:
             env = {"VLLM_PLUGINS": others_than_ours()} if args.without_plugin else {}
             children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port, extra_env=env))
             engine_url = f"http://127.0.0.1:{port}"
+            if args.ab_plugin:
+                port2 = free_port()
+                env = {"VLLM_PLUGINS": others_than_ours()}
+                children.append(start_vllm(cfg, model, tmp / "vllm-noplugin.log", port=port2, extra_env=env))
+                extra_engines["no plugin"] = f"http://127.0.0.1:{port2}"
         keys = write_keys_file(tmp / "keys.yaml", {"bench": [KEY]})
         versions = {"gateway": None}
         if args.baseline_ref:
@@ -281,6 +314,7 @@ def main() -> int:
             args.max_tokens,
             args.warmup,
             args.breakdown,
+            extra_engines,
         )
         gw_requests = 2 * (args.n + args.warmup)
         own = []
@@ -304,7 +338,7 @@ def main() -> int:
         f"temperature {TEMPERATURE} on every path (the gateway's exploration floor), Continue's Qwen FIM prompt and "
         f"12 stop strings; {args.n} sequential requests per path and mode, paths interleaved (order alternating). "
         "Redis: embedded valkey, AOF fsync always.\n\n"
-        f"{table(res)}\n\n" + "\n".join(own) + "\n"
+        f"{table(res)}\n\n" + "\n".join(own) + "\n\n" + capture_costs(res) + "\n"
     )
     print(text)
     if args.write:

@@ -26,12 +26,29 @@ def test_the_eager_count_is_vllms_count_ties_included():
     assert eager[1].item() >= 100  # the tie counts, as vLLM's ">=" does: rank 1 is the top token
 
 
-def test_register_rebinds_the_samplers_count_once_on_cpu():
+def test_the_sampled_only_gather_returns_vllms_tensors_and_leaves_top_k_to_vllm():
+    from vllm.v1.sample.sampler import Sampler
+
+    original = getattr(Sampler.gather_logprobs, "onlinerl_original", Sampler.gather_logprobs)
+    lean = vllm_plugin.sampled_only(original)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 49152, generator=gen).log_softmax(-1)
+    sampled = torch.tensor([3, 49151, 0, 77])
+    for k in (0, 2):
+        ours, theirs = lean(x, k, token_ids=sampled), original(x, k, token_ids=sampled)
+        for a, b in zip(ours, theirs, strict=True):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+
+
+def test_register_rebinds_the_samplers_count_and_gather_once_on_cpu():
     from vllm.v1.sample import sampler
 
     vllm_plugin.register()
     vllm_plugin.register()  # vLLM may load a plugin more than once per process
     assert sampler.batched_count_greater_than is vllm_plugin.count_at_least_eager
+    gather = sampler.Sampler.gather_logprobs
+    assert gather.onlinerl_original is not None
+    assert getattr(gather.onlinerl_original, "onlinerl_original", None) is None  # wrapped once, not twice
 
 
 def test_the_shared_engine_loaded_the_plugin(tiny_lora_engine):

@@ -1,4 +1,4 @@
-"""A vLLM general plugin (entry point ``vllm.general_plugins``): the sampled token's rank counted eagerly on CPU.
+"""A vLLM general plugin (entry point ``vllm.general_plugins``): the sampled token's log-prob, lean, on CPU.
 
 Why: the gateway asks vLLM for ``logprobs: 0`` on every request, the behaviour log-prob of each sampled token that
 the trainer's PPO ratio needs (onlinerl_serving.requests.upstream_body). vLLM then also counts the token's rank
@@ -7,12 +7,16 @@ the trainer's PPO ratio needs (onlinerl_serving.requests.upstream_body). vLLM th
 temporary. On CPU, for one token at a time, each call pays TorchDynamo's guard checks and dispatch: measured with
 py-spy on the tiny model, that dispatch was most of ``gather_logprobs``, and logprobs=0 cost the engine 3.5-4.1 ms
 of CPU per 16-token request (bench/RESULTS.md, issue 40). The same count in eager torch is one comparison and one
-sum over the row: the same integers, none of the dispatch.
+sum over the row: the same integers, none of the dispatch. With ``logprobs: 0`` the rest of ``gather_logprobs``
+(a top-0 ``topk``, two concatenations with its empty result, the dynamo size markings) only adds calls.
 
-So on a CPU platform, and only for the vLLM release whose code this was read against, the sampler module's name
-``batched_count_greater_than`` is rebound to the eager count. Nothing else changes: the same log-probs, the same
-ranks (tests/serving/test_vllm_plugin.py compares both against the compiled function). GPU engines run upstream
-vLLM images without this package; there, and on any other vLLM release, :func:`register` changes nothing and logs why.
+So on a CPU platform, and only for the vLLM release whose code this was read against:
+- the sampler module's name ``batched_count_greater_than`` is rebound to the eager count (every caller);
+- ``Sampler.gather_logprobs`` with ``num_logprobs == 0`` returns the sampled token, its log-prob and its rank
+  directly; any other count goes to vLLM's own.
+Nothing else changes: the same tensors, values and dtypes (tests/serving/test_vllm_plugin.py compares both with
+vLLM's own functions). GPU engines run upstream vLLM images without this package; there, and on any other vLLM
+release, :func:`register` changes nothing and logs why.
 
 vLLM loads general plugins in every process it starts (API server, engine core, workers) and may load them more
 than once: :func:`register` is idempotent.
@@ -39,8 +43,26 @@ def count_at_least_eager(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (x >= values).sum(-1)
 
 
+def sampled_only(original):
+    """``Sampler.gather_logprobs`` that answers ``num_logprobs == 0`` itself (the sampled token alone: what the
+    gateway asks for) and hands every other count to ``original``."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+        if num_logprobs != 0:
+            return original(logprobs, num_logprobs, token_ids)
+        token_ids = token_ids.unsqueeze(-1)  # [n, 1]
+        token_logprobs = logprobs.gather(-1, token_ids)  # [n, 1]
+        ranks = count_at_least_eager(logprobs, token_logprobs)  # [n]
+        return LogprobsTensors(token_ids.to(torch.int32), token_logprobs, ranks)
+
+    gather_logprobs.onlinerl_original = original  # type: ignore[attr-defined]
+    return gather_logprobs
+
+
 def register() -> None:
-    """Entry point: on CPU with a vLLM release in READ_AGAINST, rebind the sampler's rank count to the eager one."""
+    """Entry point: on CPU with a vLLM release in READ_AGAINST, the eager rank count and the lean sampled-only
+    gather (module docstring)."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -62,4 +84,10 @@ def register() -> None:
         log.warning("onlinerl vLLM plugin: vllm.v1.sample.sampler has no %s: not applied", PATCHED_NAME)
         return
     setattr(sampler, PATCHED_NAME, count_at_least_eager)
-    log.info("onlinerl vLLM plugin: the sampled token's rank is counted eagerly on CPU (issue 40)")
+    original = sampler.Sampler.gather_logprobs
+    if getattr(original, "onlinerl_original", None) is None:
+        sampler.Sampler.gather_logprobs = staticmethod(sampled_only(original))
+    log.info(
+        "onlinerl vLLM plugin: the sampled token's rank is counted eagerly on CPU, and logprobs=0 gathers only the "
+        "sampled token (issue 40)"
+    )

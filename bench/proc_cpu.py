@@ -1,4 +1,5 @@
-"""CPU time of benchmarked processes (Linux /proc): a cost per request that box contention does not inflate."""
+"""CPU time and memory of benchmarked processes (Linux /proc): a cost per request that box contention does not inflate,
+and the resident memory a server's process tree holds."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _stat(pid: int) -> list[str]:
@@ -19,8 +21,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and its live descendants (a server's worker processes)."""
+def tree_pids(pid: int) -> set[int]:
+    """``pid`` and its live descendants (a server's worker processes)."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -34,10 +36,31 @@ def tree_cpu_seconds(pid: int) -> float:
         children = [p for p, pp in parents.items() if pp == parent and p not in tree]
         tree.update(children)
         frontier.extend(children)
+    return tree
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants."""
     total = 0.0
-    for p in tree:
+    for p in tree_pids(pid):
         try:
             total += cpu_seconds(p)
         except OSError:
             continue
     return total
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of one process (/proc/<pid>/statm, second field, in pages)."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+
+
+def tree_rss_bytes(pid: int) -> dict[int, int]:
+    """Resident set size of ``pid`` and each live descendant, by pid (pages two processes share count in both)."""
+    out: dict[int, int] = {}
+    for p in tree_pids(pid):
+        try:
+            out[p] = rss_bytes(p)
+        except OSError:
+            continue
+    return out

@@ -11,13 +11,16 @@ first announcement). A line with no announcement yet costs nothing but its place
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from onlinerl.config import OnlineRLConfig
 from onlinerl.dataplane import versions
+from onlinerl.dataplane.holds import active_holds
 from onlinerl.dataplane.lines import registered
 from onlinerl.keys import Keys
+from onlinerl.schemas import PolicyTable
 
 if TYPE_CHECKING:
     from onlinerl_serving.reloader import Reloader
@@ -54,15 +57,25 @@ class ProjectLines:
         return {r.keys.checkpoints: r for r in self.lines.values()}
 
     async def tick(self, names: set[str]) -> None:
-        """Step every line that has versions (``names``: vLLM's model list, read once for all lines)."""
+        """Step every line that has versions (``names``: vLLM's model list, read once for all lines). Their policy
+        tables and holds are read in one pipelined round trip; a line then costs more only when it loads, retires or
+        (under ``direct``) has a version not yet tried for stable."""
         await self.discover()
-        for line, r in self.lines.items():
-            if not r.versions:
-                continue
+        active = [r for r in self.lines.values() if r.versions]
+        if not active:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for r in active:
+            pipe.hgetall(r.keys.policy)
+            pipe.hgetall(r.keys.holds)
+        replies = await pipe.execute()
+        now = time.time()
+        for i, r in enumerate(active):
             try:
-                await r.reconcile(names)
+                table = PolicyTable.from_redis(replies[2 * i])
+                await r.reconcile(names, table, active_holds(replies[2 * i + 1], now))
             except Exception as exc:  # one line's failure (its folder, its table) must not stop the others
-                log.exception("project %s: reconcile failed (retrying): %s", line, exc)
+                log.exception("project %s: reconcile failed (retrying): %s", r.line, exc)
 
     async def keep(self, replica: str) -> None:
         """With each heartbeat: keep this replica's version states of every line with versions alive."""

@@ -259,11 +259,12 @@ class Reloader:
         if self.projects is not None:
             await self.projects.tick(names)
 
-    async def reconcile(self, names: set[str]) -> None:
-        """One LoRA line's step: what vLLM lost is loaded again, what is wanted loaded, what is not retired."""
+    async def reconcile(self, names: set[str], table: PolicyTable | None = None, held: set[int] | None = None) -> None:
+        """One LoRA line's step: what vLLM lost is loaded again, what is wanted loaded, what is not retired.
+        ``table``, ``held``: the line's policy table and holds when already read (project lines: one pipeline)."""
         self._detect_lost_adapters(names)
-        table = await self.policy()
-        wanted = self.wanted(table, await self.holds())
+        table = await self.policy() if table is None else table
+        wanted = self.wanted(table, await self.holds() if held is None else held)
         for v in wanted:
             s = self.versions[v]
             s.unwanted_since = None

@@ -236,6 +236,49 @@ def test_the_reloader_follows_each_registered_line_and_takes_only_that_lines_che
     assert sum(b'"tenant":"acme"' in e.replace(b" ", b"") for e in refusals) == 1  # the refusal on acme's line
 
 
+def test_under_direct_a_project_lines_loaded_version_becomes_that_lines_stable_only(
+    tmp_path: Path, empty_valkey, redis_client
+) -> None:
+    """``rollout.strategy: direct``: once acme's v1 is loaded on every live replica, the reloader raises acme's stable
+    to 1, on acme's table only, and reads nothing more for it on the next ticks."""
+    r, k = redis_client, Keys(JOB)
+    acme = _folder(checkpoint_root(tmp_path, JOB, "acme"), 1, "acme")
+    r.xadd(
+        k.for_project("acme").checkpoints,
+        {"version": "1", "path": acme.path, "kind": "lora", "manifest_sha256": acme.manifest_sha256},
+    )
+    cfg = from_mapping(
+        {
+            "job": JOB,
+            "storage": {"checkpointDir": str(tmp_path)},
+            "serving": {"engineUrl": f"http://127.0.0.1:{free_port()}"},
+            "rollout": {"strategy": "direct"},
+            "projects": {"adapters": "listed", "listed": ["acme"]},
+        }
+    )
+    r.hset(k.policy, mapping={"stable": "0"})
+    shared_before = r.hgetall(k.policy)
+
+    async def go() -> None:
+        client = aioredis.from_url(empty_valkey.url)
+        async with httpx.AsyncClient(base_url=cfg.serving.engine_url, timeout=1) as engine:
+            rl = Reloader(cfg, client, engine, engine, replica="r-1")
+            await rl.read_stream(block_ms=None)
+            line = rl.projects.lines["acme"]
+            line.versions[1].state = "loaded"  # as a load leaves it (the load itself: test_project_serving.py)
+            await line._save_state(1)
+            rl.engine_seen_up = True
+            await rl.beat()
+            await rl.projects.tick({"j@acme-v1"})
+            assert line.raise_tried == {1} and not line._untried_loaded()
+            await client.aclose()
+
+    asyncio.run(go())
+    assert r.hget(k.for_project("acme").policy, "stable") == b"1"
+    assert r.hgetall(k.policy) == shared_before  # the shared table: untouched
+    assert r.pttl(k.for_project("acme").replica_versions("r-1")) > 3_000_000  # the replica's deadline + an hour
+
+
 # --- one engine, many adapters ------------------------------------------------------------------------------------
 def test_max_cpu_loras_reaches_vllm_in_the_local_stack_and_on_kubernetes() -> None:
     from onlinerl_operator.render import RenderContext, vllm_args

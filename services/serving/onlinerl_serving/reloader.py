@@ -271,8 +271,14 @@ class Reloader:
             if s.state != "loaded" and time.monotonic() >= s.next_attempt:
                 await self.load(v)
         await self._retire_unwanted(set(wanted), table)
-        if self.cfg.rollout.strategy == "direct":
+        if self.cfg.rollout.strategy == "direct" and (not self.line or self._untried_loaded()):
             await self._raise_everywhere(once=True)  # also completes a switch once a lagging replica died
+
+    def _untried_loaded(self) -> bool:
+        """A version loaded here whose raise was not tried yet: only then can a project line's direct raise do
+        anything (its target is loaded on every live replica, this one included), so a line with nothing new costs no
+        read of the replicas' states each tick."""
+        return any(s.state == "loaded" and v not in self.raise_tried for v, s in self.versions.items())
 
     def _detect_lost_adapters(self, names: set[str]) -> None:
         lost = [v for v, s in self.versions.items() if s.state == "loaded" and self.model_name(v) not in names]

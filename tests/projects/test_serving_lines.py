@@ -139,8 +139,11 @@ def test_a_key_naming_another_project_in_a_header_is_refused_and_its_own_passes(
         assert resp.status_code == 403, resp.text
         err = resp.json()["error"]
         assert (err["code"], err["param"]) == ("wrong_project", header) and "'beta'" in err["message"]
+    long = asyncio.run(post({**beta, "X-Project-ID": "a" * 4000}))  # oversized: refused, and not echoed whole
+    assert long.status_code == 403 and len(long.text) < 600
     # its own project passes the check (then 503: this gateway's Redis view was never refreshed)
-    assert asyncio.run(post({**beta, "X-Project-ID": "beta"})).status_code == 503
+    assert asyncio.run(post({**beta, "X-Project-ID": " beta "})).status_code == 503
+    assert asyncio.run(post({**beta, "X-Project-ID": ""})).status_code == 503  # empty: names no project
     assert asyncio.run(post({"X-Project-ID": "acme"})).status_code == 401  # no key: unauthorized first
 
 

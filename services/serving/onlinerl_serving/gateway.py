@@ -99,12 +99,14 @@ def _forced_version(scope: Scope) -> int | None:
 def _own_project_only(scope: Scope, tenant: str) -> str:
     """The line an evaluation's ``X-OnlineRL-Line`` asks for ('' when absent). ``X-Project-ID`` and
     ``X-OnlineRL-Line``, when they name a project, must name the key's own: 403 ``wrong_project`` otherwise."""
-    claimed = _header(scope, PROJECT_HEADER)
-    if claimed and claimed.strip() != tenant:
-        raise wrong_project("X-Project-ID", claimed.strip(), tenant)
-    line = (_header(scope, LINE_HEADER) or "").strip()
-    if line and line != tenant:
-        raise wrong_project("X-OnlineRL-Line", line, tenant)
+    line = ""
+    for k, v in scope["headers"]:  # one pass; most requests carry neither header
+        if k in (PROJECT_HEADER, LINE_HEADER):
+            named = v.decode("latin-1").strip()
+            if named and named != tenant:
+                raise wrong_project("X-Project-ID" if k == PROJECT_HEADER else "X-OnlineRL-Line", named, tenant)
+            if k == LINE_HEADER:
+                line = named
     return line
 
 

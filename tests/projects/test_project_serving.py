@@ -81,6 +81,23 @@ class Stack:
         tenant = key.split("-")[1]
         return resp, RolloutRecord.from_json(self.r.hget(K.rollouts(tenant, PROMPT), rid))
 
+    def stream(self, key: str) -> tuple[int, bool, RolloutRecord | None]:
+        """One streamed completion as Continue reads it: ``(status, saw [DONE], the record written for it)``."""
+        payload = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+        with httpx.stream(
+            "POST",
+            f"{self.gw_url}/v1/completions",
+            json=payload,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+        ) as resp:
+            body = resp.read().decode()
+            if resp.status_code != 200:
+                return resp.status_code, False, None
+            rid = resp.headers["x-onlinerl-rollout-id"]
+        raw = self.r.hget(K.rollouts(key.split("-")[1], PROMPT), rid)
+        return 200, "data: [DONE]" in body, RolloutRecord.from_json(raw) if raw else None
+
     def direct(self, model: str) -> str:
         """The engine's own greedy answer from one named adapter: what that adapter, and only it, writes."""
         body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
@@ -183,8 +200,9 @@ def test_a_key_is_served_its_own_projects_adapter_and_never_another_whatever_it_
 
 @pytest.mark.vllm
 def test_a_rollback_of_one_project_leaves_the_others_routing_untouched(stack: Stack) -> None:
-    """acme's v2 is promoted, then rolled back by ``onlinerl policy rollback``'s code on acme's line, while acme,
-    beta and gamma keys are served throughout: nothing fails, beta and gamma never change version or adapter."""
+    """acme's v2 is promoted, then rolled back by ``onlinerl policy rollback``'s code on acme's line, while 6 streaming
+    clients (3 acme keys, 2 beta, 1 gamma) are served throughout: nothing fails (every stream ends in [DONE] with its
+    record), beta and gamma never change version or adapter."""
     s = stack
     s.publish("acme", 2, 22)
     wait_for(lambda: s.loaded("acme", 2), 90, what="acme v2 loaded")
@@ -192,23 +210,23 @@ def test_a_rollback_of_one_project_leaves_the_others_routing_untouched(stack: St
     seen: list[tuple[str, int, str, int, str]] = []  # (tenant, status, line, version, model)
     stop = threading.Event()
 
-    def traffic() -> None:
+    def client(key: str) -> None:
+        tenant = key.split("-")[1]
         while not stop.is_set():
-            for key in (ACME[0], BETA[0], GAMMA):
-                resp, rec = s.complete(key)
-                tenant = key.split("-")[1]
-                if rec is None:
-                    seen.append((tenant, resp.status_code, "", -1, ""))
-                else:
-                    seen.append((tenant, resp.status_code, rec.line, rec.policy_version, rec.served_model))
+            status, done, rec = s.stream(key)
+            if rec is None or not done:
+                seen.append((tenant, status if done else -status, "", -1, ""))
+            else:
+                seen.append((tenant, status, rec.line, rec.policy_version, rec.served_model))
 
     def acme_on(version: int) -> bool:
         n = len(seen)
-        wait_for(lambda: len(seen) >= n + 3, 60, what="traffic")
+        wait_for(lambda: sum(1 for x in seen[n:] if x[0] == "acme") >= 3, 60, what="acme traffic")
         return [v for t, _, _, v, _ in seen[n:] if t == "acme"][-1] == version
 
-    worker = threading.Thread(target=traffic, daemon=True)
-    worker.start()
+    workers = [threading.Thread(target=client, args=(k,), daemon=True) for k in (*ACME, *BETA, GAMMA)]
+    for w in workers:
+        w.start()
     try:
         s.r.hset(KA.policy, mapping={"stable": 2})  # promoted on acme's line (the controller's write)
         wait_for(lambda: acme_on(2), 30, what="acme served v2")
@@ -216,15 +234,16 @@ def test_a_rollback_of_one_project_leaves_the_others_routing_untouched(stack: St
         assert (decision.decision, decision.version) == ("rollback", 1)
         wait_for(lambda: acme_on(1), 30, what="acme served v1 again")
         n = len(seen)
-        wait_for(lambda: len(seen) >= n + 6, 60, what="more traffic after the rollback")
+        wait_for(lambda: len(seen) >= n + 12, 60, what="more traffic after the rollback")
     finally:
         stop.set()
-        worker.join(timeout=120)
+        for w in workers:
+            w.join(timeout=120)
 
     assert seen and all(status == 200 for _, status, *_ in seen), [x for x in seen if x[1] != 200]
     acme = [(line, v, m) for t, _, line, v, m in seen if t == "acme"]
     assert {x for x in acme} == {("acme", 1, adapter_name(JOB, 1, "acme")), ("acme", 2, adapter_name(JOB, 2, "acme"))}
-    assert acme[-1][1] == 1
+    assert acme[-1][1] == 1 and len(seen) >= 30, len(seen)
     assert {(line, v, m) for t, _, line, v, m in seen if t == "beta"} == {("beta", 1, adapter_name(JOB, 1, "beta"))}
     assert {(line, v, m) for t, _, line, v, m in seen if t == "gamma"} == {("", 1, adapter_name(JOB, 1))}
     assert {k: s.r.hgetall(k) for k in (KB.policy, K.policy)} == others  # beta's and the shared table: not a byte

@@ -11,23 +11,29 @@ What each test proves:
   lines and leave the stream only after both published;
 - a restart gives every project its adapter, version counter and optimizer back;
 - a manual rollback of one project's line puts that adapter back on the target's weights, the others untouched;
-- DeepSpeed with per-project adapters is refused before anything is loaded.
+- the loop publishes each line when its own steps make it due, and a stop leaves nothing pending;
+- DeepSpeed with per-project adapters is refused before anything is loaded (in process, and by the process: exit 2).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from onlinerl.config import ConfigError, OnlineRLConfig, from_mapping
 from onlinerl.dataplane import lines
 from onlinerl.keys import SAMPLES_GROUP, Keys
 from onlinerl.lines import checkpoint_root
+from onlinerl.procs import python_module, wait_for
 from onlinerl.schemas import TrainingSample
 from onlinerl_trainer.adapters import adapter_key
 from onlinerl_trainer.trainer import Trainer
@@ -37,9 +43,8 @@ KEYS = Keys(JOB)
 
 
 def project_config(tmp_path: Path, url: str, model: Path, trainer: dict[str, Any] | None = None, **projects: Any):
-    base = trainer_config(
-        tmp_path / "ckpt", url, model, batchSize=9, checkpoint={"everySteps": 1000}, **(trainer or {})
-    )
+    overrides: dict[str, Any] = {"batchSize": 9, "checkpoint": {"everySteps": 1000}, **(trainer or {})}
+    base = trainer_config(tmp_path / "ckpt", url, model, **overrides)
     return from_mapping({**base.dump(), "projects": {"adapters": "listed", "minSamplesPerHour": 0, **projects}})
 
 
@@ -184,14 +189,16 @@ def test_a_project_below_its_threshold_trains_shared_then_opens_from_shared_stab
     r.hset(KEYS.policy, mapping={"stable": "1"})
     train(trainer, r, [sample(3, "gamma")])  # the shared adapter moves on past its stable v1
 
-    # a line opened now starts from shared stable v1's files, not from the shared adapter's live weights
-    assert trainer.open_line("beta") and trainer.lines["beta"].origin == 1
+    # shared stable v1 learned from alpha, a listed project: beta's adapter must not start from alpha's code, so it
+    # starts below the first version trained on alpha (lineage.py): here the fresh LoRA
+    assert trainer.open_line("beta") and trainer.lines["beta"].origin == 0
     v1 = load_file(str(trainer.store.path(1) / "adapter_model.safetensors"))
     now = snapshot(trainer)
-    assert all(torch.equal(now["beta"][k], v1[k]) for k in v1)
+    assert all(torch.equal(t, seeded[k]) for k, t in now["beta"].items())
     assert not all(torch.equal(now[""][k], v1[k]) for k in v1)
 
-    # the third alpha sample in the hour opens alpha's line; with trainShared it trains alpha AND shared
+    # the third alpha sample in the hour opens alpha's line from shared stable v1's files (its own code is alpha's
+    # to start from), not from the shared adapter's live weights; with trainShared it trains alpha AND shared
     before = snapshot(trainer)
     (third,) = train(trainer, r, [sample(4, "alpha")])
     assert trainer.lines["alpha"].origin == 1
@@ -270,6 +277,50 @@ def test_a_rollback_of_one_project_rebases_its_adapter_alone(tmp_path, redis_cli
     manifest = alpha.store.manifest(3)
     assert (manifest.parent_version, manifest.rebased_from, manifest.line) == (1, 2, "alpha")
     trainer.close()
+
+
+def test_the_trainer_loop_publishes_every_line_on_its_own_schedule_and_stops_with_nothing_pending(
+    tmp_path, redis_client, empty_valkey, tiny_model_path
+):
+    """Trainer.run, as the process runs it: every line publishes when its own steps make it due, and a stop
+    publishes what any line still holds, so nothing stays pending."""
+    r = redis_client
+    cfg = project_config(
+        tmp_path, empty_valkey.url, tiny_model_path, trainer={"checkpoint": {"everySteps": 2}}, listed=["alpha", "beta"]
+    )
+    trainer = Trainer(cfg, r, tiny_model_path)
+    trainer.start()
+    xadd_samples(r, [sample(i, ("alpha", "beta", "gamma")[i % 3]) for i in range(9)])  # one step per line
+    xadd_samples(r, [sample(20 + i, "alpha") for i in range(3)])  # alpha's second step: alpha alone is due
+    stop = threading.Event()
+    loop = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        # alpha's v1 announced and its 6 samples acknowledged; beta's 3 and gamma's 3 wait for their lines' versions
+        wait_for(
+            lambda: r.xlen(KEYS.for_project("alpha").checkpoints) == 1 and len(pending(r)) == 6, 60, what="alpha's v1"
+        )
+        assert r.xlen(KEYS.checkpoints) == 0 and r.xlen(KEYS.for_project("beta").checkpoints) == 0
+    finally:
+        stop.set()
+        loop.join(60)
+    assert not loop.is_alive()
+    assert pending(r) == set() and r.xpending(KEYS.samples, SAMPLES_GROUP)["pending"] == 0
+    assert {n: x.version for n, x in trainer.lines.items()} == {"": 1, "alpha": 1, "beta": 1}
+    assert r.hget(KEYS.trainer_status, "state") == b"stopped"
+    assert r.hget(KEYS.trainer_status, "projects") == b'{"alpha":1,"beta":1}'
+    trainer.close()
+
+
+def test_the_trainer_process_refuses_deepspeed_with_per_project_adapters(tmp_path, empty_valkey, tiny_model_path):
+    cfg = project_config(tmp_path, empty_valkey.url, tiny_model_path, trainer={"engine": "deepspeed"}, adapters="all")
+    config_file = tmp_path / "trainer.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.dump()))
+    env = {**os.environ, "ONLINERL_CONFIG": str(config_file), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(python_module("onlinerl_trainer"), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "projects.adapters: all is not supported with trainer.engine: deepspeed" in proc.stderr
+    assert "set trainer.engine: torch" in proc.stderr
 
 
 def test_deepspeed_with_per_project_adapters_is_refused_before_anything_loads(tmp_path, redis_client, empty_valkey):

@@ -114,6 +114,14 @@ RULES: tuple[Rule, ...] = (
         shows=("trainer.lora.r", "serving.lora.maxRank"),
     ),
     Rule(
+        at="",
+        cel="self.projects.adapters == 'off' || self.serving.weightsMode == 'lora'",
+        message="projects.adapters needs serving.weightsMode: lora: each project's adapter is served beside the shared "
+        "one on the same base model, while full-weight mode holds one model",
+        holds=lambda s: s["projects"]["adapters"] == "off" or s["serving"]["weightsMode"] == "lora",
+        shows=("projects.adapters", "serving.weightsMode"),
+    ),
+    Rule(
         at="model",
         cel=f"self.fimTemplate in {_cel_string_list(FIM_TEMPLATE_NAMES)}",
         message="model.fimTemplate must be auto (detect from the tokenizer) or a known FIM template: "

@@ -85,6 +85,11 @@ BAD = {
     "model path outside the claim": {"model": {"claim": "models", "path": "/data/m"}},
     "no checkpoint size": {"storage": {"size": ""}},
     "TLS without host": {"ingress": {"enabled": True, "tlsSecret": "cert"}},
+    "project adapters on full weights": {
+        "projects": {"adapters": "all"},
+        "trainer": {"weights": "full"},
+        "serving": {"weightsMode": "full"},
+    },
     "several at once": {
         "trainer": {"batchSize": 2, "microBatchSize": 4, "weights": "full"},
         "ingress": {"tlsSecret": "c"},
@@ -100,6 +105,7 @@ GOOD = {
     "model on a claim": {"model": {"claim": "models", "path": "/models/qwen"}},
     "existing claim without size": {"storage": {"existingClaim": "ckpt", "size": ""}},
     "TLS with host": {"ingress": {"enabled": True, "tlsSecret": "cert", "host": "rl.example.com"}},
+    "project adapters on LoRA": {"projects": {"adapters": "listed", "listed": ["acme"]}},
 }
 
 

@@ -9,7 +9,8 @@ What each test proves:
 - below ``minSamplesPerHour`` a project trains the shared adapter; at the threshold its line opens, from the shared
   stable version's files (v0: the shared adapter's own seeded start); with ``trainShared`` its samples train both
   lines and leave the stream only after both published;
-- a restart gives every project its adapter, version counter and optimizer back;
+- a restart gives every project its adapter, version counter and optimizer back; a crash between the two lines of a
+  trainShared sample trains it again on the line that lacks it only;
 - a manual rollback of one project's line puts that adapter back on the target's weights, the others untouched;
 - the loop publishes each line when its own steps make it due, and a stop leaves nothing pending;
 - DeepSpeed with per-project adapters is refused before anything is loaded (in process, and by the process: exit 2).
@@ -247,6 +248,32 @@ def test_a_restart_gives_every_project_its_adapter_version_and_optimizer_back(
     assert set(second.last_updates) == {"alpha"}
     assert second.publish("alpha") == 2
     assert second.lines["alpha"].store.manifest(2).parent_version == 1 and pending(r) == set()
+    second.close()
+
+
+def test_a_crash_between_the_two_lines_of_a_train_shared_sample_retrains_only_the_line_that_lacks_it(
+    tmp_path, redis_client, empty_valkey, tiny_model_path
+):
+    r = redis_client
+    cfg = project_config(tmp_path, empty_valkey.url, tiny_model_path, listed=["alpha"], trainShared=True)
+    first = Trainer(cfg, r, tiny_model_path)
+    first.start()
+    (both,) = train(first, r, [sample(1, "alpha")])
+    assert set(first.last_updates) == {"", "alpha"}
+    assert first.publish("alpha") == 1 and pending(r) == {both}  # alpha's v1 holds it, the shared line not yet
+    first.close()  # the process dies before the shared line publishes
+
+    second = Trainer(cfg, r, tiny_model_path)
+    recovery = second.start()
+    assert (recovery.already_trained, recovery.replayed) == (0, 1)  # not acknowledged: the shared line lacks it
+    before = snapshot(second)
+    second.train_on(second.collect())
+    assert set(second.last_updates) == {""}  # trained again on the shared line only, never twice into alpha
+    assert changed(before, snapshot(second)) == {""}
+    assert pending(r) == {both}
+    assert second.publish() == 1
+    assert pending(r) == set() and second.store.manifest(1).sample_ids == [both]
+    assert second.lines["alpha"].store.versions() == [1]
     second.close()
 
 

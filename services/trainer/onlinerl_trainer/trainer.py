@@ -59,6 +59,7 @@ from onlinerl_trainer.engine import Engine
 from onlinerl_trainer.feed import Admitted, Recovery, SampleFeed
 from onlinerl_trainer.fence import FencedOut, Lease
 from onlinerl_trainer.learner import Learner
+from onlinerl_trainer.lineage import clean_start
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.policy import all_finite
 from onlinerl_trainer.publisher import Publisher
@@ -305,7 +306,11 @@ class Trainer:
             line = self._add_line(project, publisher, publisher.store.path(own), own)
             self._resume(line, own)
             return True
-        stable = self._table(SHARED_LINE).stable
+        stable, why = clean_start(
+            self._table(SHARED_LINE).stable, self.shared.store.manifest, project, self.projects.has_own_line
+        )
+        if why:
+            log.warning("project %s: %s (lineage.py: no other project's code in its adapter)", project, why)
         problems = self.shared.store.problems(stable) if stable else []
         if problems:
             why = f"shared stable v{stable} cannot be loaded: {'; '.join(problems)}"

@@ -26,7 +26,10 @@ ON_THE_BOX = {"torch", "transformers", "peft", "numpy", "packaging", "psutil", "
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": sys.executable}
+    # Not this process's torch.distributed rendezvous: an earlier DeepSpeed test on this worker set MASTER_PORT
+    # (engine_deepspeed.py) and still holds it, so the proof's own DeepSpeed run would fail to bind (EADDRINUSE).
+    rendezvous = {"MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+    env = {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "PYTHON": sys.executable}
     return subprocess.run([str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -72,11 +72,17 @@ def _tokenize(http: httpx.Client, url: str, model: str, text: str) -> list[int]:
 def canary_logprob(
     http: httpx.Client, url: str, model: str, context: str, canary: str, tokenizer_model: str
 ) -> float | None:
-    """log p(canary | context) under ``model``, or None when the canary's tokens do not follow the context's own
-    tokens unchanged (a merge across the boundary would score other tokens)."""
-    ctx = _tokenize(http, url, tokenizer_model, context)
-    full = _tokenize(http, url, tokenizer_model, context + canary)
-    if full[: len(ctx)] != ctx or len(full) == len(ctx):
+    """log p(canary | context) under ``model``. The tokenizer merges a run of spaces with the word after it, so
+    when the canary's tokens do not follow the context's own tokens unchanged, the context's trailing whitespace
+    moves into the scored text (the same text for every model). None when even that does not align."""
+    stripped = context.rstrip(" \t")
+    for head in (context, stripped):
+        target = context[len(head) :] + canary
+        ctx = _tokenize(http, url, tokenizer_model, head)
+        full = _tokenize(http, url, tokenizer_model, head + target)
+        if full[: len(ctx)] == ctx and len(full) > len(ctx):
+            break
+    else:
         return None
     r = http.post(
         f"{url}/v1/completions",

@@ -27,7 +27,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
 import orjson
 import redis
 
@@ -78,20 +77,8 @@ def latency(stack: Stack, n: int, warmup: int, max_tokens: int) -> dict[str, dic
         stream: orjson.dumps({**serving_latency.body(stream, max_tokens), "model": stack.cfg.model.served_name})
         for stream in (False, True)
     }
-    out = {name: {"ttft": [], "total": [], "nonstream": []} for name, *_ in paths}
-    with httpx.Client(timeout=120) as client:
-        for i in range(warmup + n):
-            for stream in (False, True):
-                for name, url, headers in paths if i % 2 == 0 else list(reversed(paths)):
-                    ttft, total = serving_latency.timed(client, url, bodies[stream], headers, stream)
-                    if i < warmup:
-                        continue
-                    if stream:
-                        out[name]["ttft"].append(ttft)
-                        out[name]["total"].append(total)
-                    else:
-                        out[name]["nonstream"].append(total)
-    return out
+    by_mode = {stream: [(name, url, bodies[stream], headers) for name, url, headers in paths] for stream in bodies}
+    return serving_latency.interleave(by_mode, n, warmup)
 
 
 def switch_times(stack: Stack, paths: dict[int, Path], first: int, count: int) -> list[float]:
@@ -114,13 +101,7 @@ def switch_times(stack: Stack, paths: dict[int, Path], first: int, count: int) -
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
-def paired_median(a: list[float], b: list[float]) -> float:
-    return statistics.median(x - y for x, y in zip(a, b, strict=True))
+pct, paired_median = serving_latency.pct, serving_latency.paired_median
 
 
 def report(results: dict) -> str:
@@ -132,21 +113,21 @@ def report(results: dict) -> str:
     for n, res in results["latency"].items():
         for name, m in res.items():
             direct = res["direct"]
-            added_ns = paired_median(m["nonstream"], direct["nonstream"]) * 1e3 if m.get("nonstream") else 0.0
-            added = paired_median(m["total"], direct["total"]) * 1e3
-            ns = f"{pct(m['nonstream'], 0.5) * 1e3:.2f}" if m.get("nonstream") else "-"
+            added_ns = paired_median(m["total"], direct["total"]) * 1e3
+            added = paired_median(m["stream_total"], direct["stream_total"]) * 1e3
             rows.append(
-                f"| {n} | {name} | {ns} | {added_ns:+.2f} | {pct(m['total'], 0.5) * 1e3:.2f} | "
-                f"{pct(m['total'], 0.95) * 1e3:.2f} | {added:+.2f} | {pct(m['ttft'], 0.5) * 1e3:.2f} |"
+                f"| {n} | {name} | {pct(m['total'], 0.5) * 1e3:.2f} | {added_ns:+.2f} | "
+                f"{pct(m['stream_total'], 0.5) * 1e3:.2f} | {pct(m['stream_total'], 0.95) * 1e3:.2f} | {added:+.2f} | "
+                f"{pct(m['ttft'], 0.5) * 1e3:.2f} |"
             )
     rows += ["", "| replicas | announce -> table switched, s (each switch) | median s |", "|---|---|---|"]
     for n, times in results["switch"].items():
         rows.append(f"| {n} | {', '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} |")
     lat, sw = results["latency"], results["switch"]
     if "1" in lat and "2" in lat:
-        g1 = paired_median(lat["1"]["gateway"]["total"], lat["1"]["direct"]["total"])
-        g2 = paired_median(lat["2"]["gateway"]["total"], lat["2"]["direct"]["total"])
-        f2 = paired_median(lat["2"]["front"]["total"], lat["2"]["direct"]["total"])
+        g1 = paired_median(lat["1"]["gateway"]["stream_total"], lat["1"]["direct"]["stream_total"])
+        g2 = paired_median(lat["2"]["gateway"]["stream_total"], lat["2"]["direct"]["stream_total"])
+        f2 = paired_median(lat["2"]["front"]["stream_total"], lat["2"]["direct"]["stream_total"])
         rows += [
             "",
             f"Ratios (same run): gateway-added latency 2 replicas / 1 = {g2 / g1:.2f}; "

@@ -153,6 +153,15 @@ def run(
             ),
             *((name, f"{url}/v1/completions", plain, auth) for name, url in gateways.items()),
         ]
+    return interleave(paths, n, warmup)
+
+
+def interleave(
+    paths: dict[bool, list[tuple[str, str, bytes, dict]]], n: int, warmup: int
+) -> dict[str, dict[str, list[float]]]:
+    """Time every path (name, url, body, headers) ``warmup + n`` rounds, non-stream then stream, in alternating
+    order (so machine noise hits all alike): per path name, ``total`` (non-stream), ``ttft`` and ``stream_total``
+    in seconds, warm-up rounds dropped. Shared with bench/replicas.py."""
     out: dict[str, dict[str, list[float]]] = {
         name: {"total": [], "ttft": [], "stream_total": []} for name, *_ in paths[True]
     }

@@ -15,13 +15,8 @@ BIN=.venv/bin
 make setup
 SECOND_CORPUS=${SECOND_CORPUS:-$($BIN/python -c 'import yaml, os; print(os.path.dirname(yaml.__file__))')}
 mkdir -p "$STATE"
-$BIN/onlinerl --config "$CONFIG" up --state "$STATE" > "$STATE/up.log" 2>&1 &
-UP_PID=$!
-trap 'kill -TERM $UP_PID 2>/dev/null; wait $UP_PID 2>/dev/null || true' EXIT
-until grep -q "onlinerl is up" "$STATE/up.log"; do
-  kill -0 $UP_PID 2>/dev/null || { echo "stack failed to start:"; tail -30 "$STATE/up.log"; exit 1; }
-  sleep 2
-done
+. tools/stack_up.sh
+start_local_stack "$CONFIG" "$STATE"
 echo "stack is up; simulating for ${DURATION}s"
 $BIN/onlinerl simulate --state "$STATE" --duration "$DURATION" --requests 1000000 --concurrency 3 \
   --max-tokens 32 --max-prefix-chars 600 | tee "$STATE/simulate.txt"

@@ -21,13 +21,8 @@ mkdir -p "$STATE"
   $BIN/python tools/project_canary.py plant "$STATE/data-alpha" | tee "$STATE/canary-planted.json"
 }
 [ -f "$STATE/data-beta/test.jsonl" ] || $BIN/onlinerl data build --corpus "$BETA_CORPUS" --out "$STATE/data-beta"
-$BIN/onlinerl --config "$CONFIG" up --state "$STATE" > "$STATE/up.log" 2>&1 &
-UP_PID=$!
-trap 'kill -TERM $UP_PID 2>/dev/null; wait $UP_PID 2>/dev/null || true' EXIT
-until grep -q "onlinerl is up" "$STATE/up.log"; do
-  kill -0 $UP_PID 2>/dev/null || { echo "stack failed to start:"; tail -30 "$STATE/up.log"; exit 1; }
-  sleep 2
-done
+. tools/stack_up.sh
+start_local_stack "$CONFIG" "$STATE"
 $BIN/python tools/project_canary.py measure --state "$STATE" --data "$STATE/data-beta" --lines alpha,beta \
   --out "$STATE/canary-before.json" > /dev/null
 echo "stack is up; simulating alpha and beta for ${DURATION}s"

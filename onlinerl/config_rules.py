@@ -73,6 +73,38 @@ FIM_TEMPLATE_NAMES: tuple[str, ...] = (
     *sorted({name for t in TEMPLATES.values() for name in (t.name, *t.aliases)}),
 )
 
+# An adapter per project (issue 39): what serving and the trainer can hold. Also the trainer's own check at its start
+# (onlinerl_trainer.adapters.lines_problem through project_lines_refusals), so a config that reaches it without the
+# CRD or `onlinerl config check` is refused with the same message.
+PROJECT_LINE_RULES: tuple[Rule, ...] = (
+    Rule(
+        at="",
+        cel="self.projects.adapters == 'off' || (self.trainer.weights == 'lora' && self.serving.weightsMode == 'lora')",
+        message="projects.adapters needs trainer.weights: lora and serving.weightsMode: lora: each project's adapter "
+        "is served beside the shared one on the same base model, while full-weight mode holds one model (or set "
+        "projects.adapters: off)",
+        holds=lambda s: (
+            s["projects"]["adapters"] == "off"
+            or (s["trainer"]["weights"] == "lora" and s["serving"]["weightsMode"] == "lora")
+        ),
+        shows=("projects.adapters", "trainer.weights", "serving.weightsMode"),
+    ),
+    Rule(
+        at="",
+        cel="self.projects.adapters == 'off' || (self.trainer.engine != 'deepspeed' && self.trainer.gpus <= 1 && "
+        "self.trainer.nodes <= 1)",
+        message="projects.adapters is not supported with trainer.engine: deepspeed, trainer.gpus above 1 or "
+        "trainer.nodes above 1 (an adapter per project trains in one process on plain torch, one optimizer per "
+        "adapter, not inside DeepSpeed's ZeRO partitions): set trainer.engine: torch or auto, trainer.gpus: 1 or 0 "
+        "and trainer.nodes: 1, or projects.adapters: off",
+        holds=lambda s: (
+            s["projects"]["adapters"] == "off"
+            or (s["trainer"]["engine"] != "deepspeed" and s["trainer"]["gpus"] <= 1 and s["trainer"]["nodes"] <= 1)
+        ),
+        shows=("projects.adapters", "trainer.engine", "trainer.gpus", "trainer.nodes"),
+    ),
+)
+
 RULES: tuple[Rule, ...] = (
     Rule(
         at="trainer",
@@ -113,14 +145,7 @@ RULES: tuple[Rule, ...] = (
         ),
         shows=("trainer.lora.r", "serving.lora.maxRank"),
     ),
-    Rule(
-        at="",
-        cel="self.projects.adapters == 'off' || self.serving.weightsMode == 'lora'",
-        message="projects.adapters needs serving.weightsMode: lora: each project's adapter is served beside the shared "
-        "one on the same base model, while full-weight mode holds one model",
-        holds=lambda s: s["projects"]["adapters"] == "off" or s["serving"]["weightsMode"] == "lora",
-        shows=("projects.adapters", "serving.weightsMode"),
-    ),
+    *PROJECT_LINE_RULES,
     Rule(
         at="model",
         cel=f"self.fimTemplate in {_cel_string_list(FIM_TEMPLATE_NAMES)}",
@@ -181,3 +206,9 @@ def refusals(spec: dict[str, Any], *, cluster: bool = False) -> list[str]:
     """Every rule ``spec`` (camelCase, defaults filled: ``OnlineRLConfig.dump()``) breaks, as its message with the
     values it names. ``cluster``: also the rules of an OnlineRLJob on Kubernetes."""
     return [r.refusal(spec) for r in RULES if (cluster or r.scope == "spec") and not r.holds(r.value_at(spec))]
+
+
+def project_lines_refusals(spec: dict[str, Any]) -> list[str]:
+    """Why ``spec`` (camelCase, defaults filled) cannot keep an adapter per project ([] when it can, or projects are
+    off): :data:`PROJECT_LINE_RULES`, for a component that checks only these at its start (the trainer)."""
+    return [r.refusal(spec) for r in PROJECT_LINE_RULES if not r.holds(r.value_at(spec))]

@@ -19,7 +19,7 @@ import yaml
 
 from onlinerl.cli import main
 from onlinerl.config import from_mapping
-from onlinerl.config_rules import FIM_TEMPLATE_NAMES, RULES
+from onlinerl.config_rules import FIM_TEMPLATE_NAMES, RULES, project_lines_refusals
 from onlinerl_operator.spec import SpecError, parse_spec
 from tests.crd_schema import api_server_defaults, spec_schema
 
@@ -90,6 +90,13 @@ BAD = {
         "trainer": {"weights": "full"},
         "serving": {"weightsMode": "full"},
     },
+    "project adapters on deepspeed": {
+        "projects": {"adapters": "listed", "listed": ["acme"]},
+        "trainer": {"engine": "deepspeed"},
+    },
+    "project adapters on two GPUs": {"projects": {"adapters": "all"}, "trainer": {"gpus": 2}},
+    "project adapters on two nodes": {"projects": {"adapters": "all"}, "trainer": {"nodes": 2, "gpus": 1}},
+    "project adapters, trainer on full weights": {"projects": {"adapters": "all"}, "trainer": {"weights": "full"}},
     "several at once": {
         "trainer": {"batchSize": 2, "microBatchSize": 4, "weights": "full"},
         "ingress": {"tlsSecret": "c"},
@@ -106,6 +113,8 @@ GOOD = {
     "existing claim without size": {"storage": {"existingClaim": "ckpt", "size": ""}},
     "TLS with host": {"ingress": {"enabled": True, "tlsSecret": "cert", "host": "rl.example.com"}},
     "project adapters on LoRA": {"projects": {"adapters": "listed", "listed": ["acme"]}},
+    "project adapters on one GPU": {"projects": {"adapters": "all"}, "trainer": {"engine": "auto", "gpus": 1}},
+    "project adapters on torch": {"projects": {"adapters": "all"}, "trainer": {"engine": "torch", "gpus": 1}},
 }
 
 
@@ -198,3 +207,15 @@ def test_a_manifest_set_is_checked_by_its_one_job(tmp_path, capsys) -> None:
         f.write_text(yaml.safe_dump_all(documents))
         assert main(["--config", str(f), "config", "check"]) == 2
         assert "exactly one OnlineRLJob" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [n for n in BAD if n.startswith("project adapters")])
+def test_the_project_line_rules_alone_give_the_crds_project_messages(name: str) -> None:
+    """What the trainer checks at its start (project_lines_refusals, through adapters.lines_problem) is the CRD's
+    refusal of a project-adapter configuration, message for message, with the values it got."""
+    spec = _deep(KEYS, BAD[name])
+    mine = project_lines_refusals(from_mapping(spec).dump())
+    crd = [m for m in crd_refusals(spec) if m.startswith("projects.adapters")]
+    assert crd and len(mine) == len(crd)
+    assert all(got.startswith(message + " (got projects.adapters=") for got, message in zip(mine, crd, strict=True))
+    assert all("projects.adapters: off" in m for m in mine)  # each says how to turn it off, too

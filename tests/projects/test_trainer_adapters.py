@@ -346,7 +346,8 @@ def test_the_trainer_process_refuses_deepspeed_with_per_project_adapters(tmp_pat
     env = {**os.environ, "ONLINERL_CONFIG": str(config_file), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(python_module("onlinerl_trainer"), env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "projects.adapters: all is not supported with trainer.engine: deepspeed" in proc.stderr
+    assert "projects.adapters is not supported with trainer.engine: deepspeed" in proc.stderr
+    assert "projects.adapters='all', trainer.engine='deepspeed'" in proc.stderr  # the values it got
     assert "set trainer.engine: torch" in proc.stderr
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from onlinerl.config import OnlineRLConfig, TrainerConfig
+from onlinerl.config_rules import project_lines_refusals
 from onlinerl.keys import SHARED_LINE
 from onlinerl_trainer.engine import Engine, choose_engine_name
 from onlinerl_trainer.engine_torch import TorchEngine
@@ -43,21 +44,11 @@ def adapter_key(line: str) -> str:
 
 
 def lines_problem(cfg: OnlineRLConfig) -> str | None:
-    """Why this trainer cannot keep an adapter per project with ``cfg`` (None: it can, or projects are off)."""
-    if cfg.projects.adapters == "off":
-        return None
-    if cfg.trainer.weights != "lora":
-        return (
-            f"projects.adapters: {cfg.projects.adapters} needs trainer.weights: lora (a project's own policy is a "
-            "LoRA adapter on the shared base); set trainer.weights: lora or projects.adapters: off"
-        )
-    if cfg.trainer.engine == "deepspeed" or cfg.trainer.gpus > 1:
-        return (
-            f"projects.adapters: {cfg.projects.adapters} is not supported with trainer.engine: deepspeed or "
-            "trainer.gpus > 1 (one optimizer per adapter inside ZeRO's partitions is not built): set "
-            "trainer.engine: torch (or auto) and trainer.gpus: 1, or projects.adapters: off"
-        )
-    return None
+    """Why this trainer cannot keep an adapter per project with ``cfg`` (None: it can, or projects are off): the
+    shared config rules of project lines (onlinerl.config_rules.PROJECT_LINE_RULES, also the CRD's CEL rules and
+    `onlinerl config check`), with their messages, checked again here for a config that reached the trainer without
+    them."""
+    return "; ".join(project_lines_refusals(cfg.dump())) or None
 
 
 def trainer_config_for_lines(cfg: OnlineRLConfig) -> TrainerConfig:

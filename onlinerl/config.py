@@ -678,11 +678,24 @@ class RolloutConfig(_Section):
         "switch back: the default for serving.weightsMode full), or direct (no gate, no watch).",
     )
     canary_share: float = Field(0.25, ge=0, le=1)
-    pinned_version: int | None = Field(None, ge=0)
-    rollback_to: int | None = Field(
-        None, ge=0, description="Make this version stable and mark what it replaces rolled back (once per value)."
+    pinned_version: int | None = Field(
+        None,
+        ge=0,
+        description="Serve this version of the shared policy line to everyone on it (applied once per value; "
+        "`onlinerl policy unpin` undoes it until the field changes). Project lines (projects.adapters) are pinned "
+        "per project with `onlinerl policy --project P pin N`, never from here.",
     )
-    paused: bool = False
+    rollback_to: int | None = Field(
+        None,
+        ge=0,
+        description="Make this version stable and mark what it replaces rolled back (once per value). The shared "
+        "line's only: a project line rolls back with `onlinerl policy --project P rollback N`.",
+    )
+    paused: bool = Field(
+        False,
+        description="Pause the shared line's promotions (false: resume, releasing a manual hold). Project lines are "
+        "paused per project with `onlinerl policy --project P pause`.",
+    )
     min_samples: int = Field(50, ge=1, description="Shown suggestions in the smaller arm before the first look.")
     min_dwell_seconds: float = Field(120.0, ge=0, description="Seconds a canary runs before any verdict.")
     promote_probability: float = Field(0.95, gt=0.5, lt=1)

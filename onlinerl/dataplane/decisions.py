@@ -98,27 +98,29 @@ def apply(
     return text(result) if result else None
 
 
-def _records(raw: Iterable[Any]) -> list[tuple[str, DecisionRecord]]:
+def records(raw: Iterable[Any]) -> list[tuple[str, DecisionRecord]]:
+    """``(stream id, record)`` of XRANGE-shaped entries, in their order (for a caller that pipelines the reads: the
+    operator reads every project line's decisions in one round trip)."""
     return [(i, DecisionRecord.from_json(f[DATA])) for i, f in entries(raw) if DATA in f]
 
 
 def latest(client: redis.Redis, keys: Keys, count: int = 20) -> list[tuple[str, DecisionRecord]]:
     """The latest ``count`` decisions, oldest first."""
-    return _records(reversed(client.xrevrange(keys.decisions, count=count)))
+    return records(reversed(client.xrevrange(keys.decisions, count=count)))
 
 
 def after(client: redis.Redis, keys: Keys, last_id: str = "0-0", count: int = 100) -> list[tuple[str, DecisionRecord]]:
     """Decisions newer than ``last_id``."""
-    return _records(client.xrange(keys.decisions, min=f"({last_id}", count=count))
+    return records(client.xrange(keys.decisions, min=f"({last_id}", count=count))
 
 
 async def latest_async(client: Any, keys: Keys, count: int = 20) -> list[tuple[str, DecisionRecord]]:
-    return _records(reversed(await client.xrevrange(keys.decisions, count=count)))
+    return records(reversed(await client.xrevrange(keys.decisions, count=count)))
 
 
 async def after_async(client: Any, keys: Keys, last_id: str, count: int = 100) -> list[tuple[str, DecisionRecord]]:
     """Decisions newer than ``last_id`` (the operator turns each into an Event)."""
-    return _records(await client.xrange(keys.decisions, min=f"({last_id}", count=count))
+    return records(await client.xrange(keys.decisions, min=f"({last_id}", count=count))
 
 
 # --- verdicts ----------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """What the operator reads from (and the one thing it writes to) the job's Redis: docs/architecture.md keys.
 
-Reads: the policy table, per-version stats counters and the trainer's status hash, for the CR status.
-Writes: only the ``pinned`` and ``paused`` fields of the policy table (spec.rollout.pinnedVersion / paused), once per
+Reads: the policy table, per-version stats counters and the trainer's status hash, for the CR status; the project
+policy lines' tables and decisions (project_lines.py).
+Writes: only the ``pinned`` and ``paused`` fields of the shared line's policy table (spec.rollout.pinnedVersion /
+paused: a project line is pinned and paused with `onlinerl policy --project P`, never from the spec), once per
 change of the spec field, and ``spec.rollout.rollbackTo`` through the CLI's own rollback, ``paused: false`` through
 the CLI's own resume (it releases a manual hold too); the reloader and the rollout controller own the other fields,
 so the operator never rewrites them.
@@ -15,11 +17,13 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from onlinerl.arms import LIVE_ARMS
+from onlinerl.config import ProjectsConfig
 from onlinerl.dataplane import decisions, policy, stats
 from onlinerl.dataplane import trainer as trainer_status
 from onlinerl.keys import Keys
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl.schemas import PolicyTable
+from onlinerl_operator import project_lines
 from onlinerl_operator.kube import Kube
 from onlinerl_operator.render import RenderContext
 
@@ -37,6 +41,7 @@ class RedisView:
     trainer_step: int | None = None
     last_checkpoint_at: float | None = None
     decisions: list[tuple[str, DecisionRecord]] = field(default_factory=list)
+    lines: project_lines.ProjectLinesView = field(default_factory=project_lines.ProjectLinesView)
 
 
 async def redis_url(kube: Kube, ctx: RenderContext) -> str:
@@ -79,8 +84,16 @@ async def write_policy_field(url: str, job: str, name: str, value: str, timeout:
         await r.aclose()
 
 
-async def read_view(url: str, job: str, timeout: float = 2.0, decisions_after: str | None = None) -> RedisView:
-    """What status shows: the policy table, the stable version's figures, the trainer, decisions not yet reported."""
+async def read_view(
+    url: str,
+    job: str,
+    timeout: float = 2.0,
+    decisions_after: str | None = None,
+    projects: ProjectsConfig | None = None,
+    project_decisions_after: str | None = None,
+) -> RedisView:
+    """What status shows: the policy table, the stable version's figures, the trainer, decisions not yet reported;
+    with ``projects`` (adapters on) the project lines' tables and their decisions after ``project_decisions_after``."""
     keys = Keys(job)
     r = _client(url, timeout)
     try:
@@ -105,6 +118,8 @@ async def read_view(url: str, job: str, timeout: float = 2.0, decisions_after: s
             view.trainer_step = _int(trainer, "step")
             last = trainer.get("last_checkpoint_at")
             view.last_checkpoint_at = float(last) if last else None
+        if projects is not None:
+            view.lines = await project_lines.read(r, job, projects, project_decisions_after)
         return view
     finally:
         await r.aclose()

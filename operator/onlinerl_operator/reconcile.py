@@ -5,7 +5,8 @@ Each step owns one concern and fills its part of the :class:`Observation`:
 1. ``children``   -- server-side apply of every child but the trainer Job; delete the ones the spec no longer wants
 2. ``trainer``    -- drive the trainer Job: create, suspend/resume, replace on a new spec, retry on failure
 3. ``components`` -- readiness of the serving and feedback Deployments
-4. ``data plane`` -- the job's Redis: policy table, figures, new rollout decisions (each one a Kubernetes Event)
+4. ``data plane`` -- the job's Redis: policy table, figures, new rollout decisions (each one a Kubernetes Event), and
+   the same for every project policy line (issue 39: status.projects, Events naming the project)
 
 The first step the Kubernetes API refuses ends the pass: its typed reason (:class:`StepFailure`, ``Reason.API_*``)
 goes into the Degraded condition, the status is written, and the handler turns the failure into kopf's typed retry.
@@ -19,7 +20,9 @@ handlers through :meth:`Reconciler.apply_policy_field` and :meth:`Reconciler.app
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from onlinerl.keys import SHARED_LINE
 from onlinerl_operator import constants as c
 from onlinerl_operator.kube import Kube, KubeError
 from onlinerl_operator.observe import manual_rollback, read_view, redis_url, write_policy_field
@@ -55,11 +59,13 @@ from onlinerl_operator.status import (
     JobStatus,
     Observation,
     Reason,
+    decision_text,
     derive_conditions,
     derive_phase,
     epoch_from_iso,
     iso_from_epoch,
     now_iso,
+    project_lines_status,
     stamp_conditions,
 )
 
@@ -487,16 +493,28 @@ class Reconciler:
         ctx, old = p.ctx, p.old
         try:
             url = await redis_url(self.kube, ctx)  # LookupError: its Secret is missing (a KubeError still propagates)
-            view = await read_view(url, ctx.name, decisions_after=old.get("lastDecisionId"))
+            view = await read_view(
+                url,
+                ctx.name,
+                decisions_after=old.get("lastDecisionId"),
+                projects=ctx.cfg.projects,
+                project_decisions_after=old.get("projectDecisionsAfter"),
+            )
         except DATA_PLANE_ERRORS as exc:
             p.extra["redisReachable"] = False
             p.obs.problems.append(f"Redis not reachable ({type(exc).__name__}: {exc})")
             return
-        await self.report_decisions(ctx, view.decisions)
+        await self.report_decisions(ctx, [(SHARED_LINE, i, d) for i, d in view.decisions])
         if view.decisions:
             last_id, last = view.decisions[-1]
             p.extra["lastDecisionId"] = last_id
-            p.extra["lastDecision"] = f"{last.decision} v{last.version} by {last.actor}: {last.reason}"[:1024]
+            p.extra["lastDecision"] = decision_text(last.decision, last.version, last.actor, last.reason)[:1024]
+        # Project lines (issue 39): their Events and status.projects; the shared line's fields above stay its own.
+        await self.report_decisions(ctx, view.lines.decisions)
+        decided = {line: decision_text(d.decision, d.version, d.actor, d.reason) for line, _, d in view.lines.decisions}
+        p.extra["projects"] = project_lines_status(view.lines.tables, decided, old.get("projects")) or None
+        p.extra["projectLines"] = len(view.lines.names) or None
+        p.extra["projectDecisionsAfter"] = view.lines.cursor
         p.obs.last_decision = p.extra.get("lastDecision") or old.get("lastDecision") or ""
         p.obs.last_decision_kind = p.obs.last_decision.split(" ", 1)[0]
         policy = view.policy
@@ -556,20 +574,11 @@ class Reconciler:
         return problem
 
     # --- Events and deletion ------------------------------------------------------------------------------------------
-    async def report_decisions(self, ctx: RenderContext, decisions: list[tuple[str, Any]]) -> None:
-        """One Kubernetes Event per rollout decision (gate, promote, rollback, pin...), on the OnlineRLJob.
-
-        Named after the decision's stream id, not kopf's generated names: an operator restart that reports the same
-        decision again gets 409 instead of a duplicate Event."""
-        for entry_id, d in decisions:
-            event = job_event(
-                ctx,
-                f"{ctx.name}.rollout.{entry_id.replace('-', '.')}",
-                "Rollout" + "".join(p.capitalize() for p in d.decision.split("_")),
-                f"v{d.version} (stable v{d.stable}) by {d.actor}: {d.reason}",
-                warning=d.decision in ("rollback", "gate_fail"),
-                when=iso_from_epoch(d.at),
-            )
+    async def report_decisions(self, ctx: RenderContext, decisions: list[tuple[str, str, Any]]) -> None:
+        """One Kubernetes Event per rollout decision (gate, promote, rollback, pin...) of ``(line, stream id,
+        record)``, on the OnlineRLJob (:func:`decision_event`)."""
+        for line, entry_id, d in decisions:
+            event = decision_event(ctx, line, entry_id, d)
             try:
                 await self.kube.create(event)
             except KubeError as exc:
@@ -628,6 +637,26 @@ def job_event(ctx: RenderContext, name: str, reason: str, message: str, warning:
     }
 
 
+def decision_event(ctx: RenderContext, line: str, entry_id: str, d: Any) -> dict[str, Any]:
+    """The Event of one rollout decision. The shared line's: reason ``Rollout<Kind>``; a project line's:
+    ``ProjectRollout<Kind>``, its message starting ``project <name>:`` (``kubectl get events`` tells them apart).
+
+    Named after the line and the decision's stream id, not kopf's generated names: an operator restart that reports
+    the same decision again gets 409 instead of a duplicate Event. A project's name may hold capitals and ``_``, which
+    an object name may not: it is named by a lowercase form and a digest of the exact name, so two projects never
+    share a name."""
+    kind = "Rollout" + "".join(part.capitalize() for part in d.decision.split("_"))
+    message = f"v{d.version} (stable v{d.stable}) by {d.actor}: {d.reason}"
+    name = f"{ctx.name}.rollout.{entry_id.replace('-', '.')}"
+    if line:
+        slug = re.sub(r"[^a-z0-9]+", "-", line.lower()).strip("-")[:40] or "p"
+        digest = hashlib.sha256(line.encode()).hexdigest()[:8]
+        name = f"{ctx.name}.rollout.{slug}-{digest}.{entry_id.replace('-', '.')}"
+        kind, message = "Project" + kind, f"project {line}: {message}"
+    warning = d.decision in ("rollback", "gate_fail")
+    return job_event(ctx, name, kind, message, warning=warning, when=iso_from_epoch(d.at))
+
+
 def carried_figures(old: dict[str, Any]) -> dict[str, Any]:
     """Status fields a pass keeps from the last one unless a step refreshes them (the last known figures while Redis
     is unreachable, the rollback already applied, the retry bookkeeping)."""
@@ -650,5 +679,8 @@ def carried_figures(old: dict[str, Any]) -> dict[str, Any]:
         "samplesTrained",
         "trainerStep",
         "lastCheckpointTime",
+        "projects",
+        "projectLines",
+        "projectDecisionsAfter",
     )
     return {k: old[k] for k in keys if old.get(k) is not None}

@@ -4,12 +4,15 @@ conditions and the phase from what the operator observed. No I/O here, so every 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
+from onlinerl.schemas import PolicyTable
 
 ConditionType = Literal["Ready", "ServingReady", "FeedbackReady", "TrainerRunning", "PolicyPromoted", "Degraded"]
 CONDITION_TYPES: tuple[str, ...] = ConditionType.__args__  # type: ignore[attr-defined]
@@ -78,6 +81,16 @@ class Endpoints(_Status):
     )
 
 
+class ProjectLineStatus(_Status):
+    """One project's own policy line (projects.adapters): what it serves and its newest rollout decision."""
+
+    stable_version: int | None = Field(None, ge=0)
+    candidate_version: int | None = Field(None, ge=0)
+    pinned_version: int | None = Field(None, ge=0)
+    paused: bool | None = None
+    last_decision: str | None = Field(None, max_length=256, description="kind, version, actor and reason.")
+
+
 class JobStatus(_Status):
     """Everything a user needs from `kubectl get orl -o yaml`; kopf's own bookkeeping lives in annotations."""
 
@@ -111,6 +124,18 @@ class JobStatus(_Status):
     )
     last_decision: str | None = Field(
         None, max_length=1024, description="Newest rollout decision: kind, version, actor and reason."
+    )
+    projects: dict[str, ProjectLineStatus | None] | None = Field(
+        None,
+        description="Each project's own policy line (projects.adapters), the first 50 by name (projectLines counts "
+        "them all; `onlinerl status` shows every one). The fields above, and the PolicyPromoted condition, are the "
+        "shared line's: a project line's decision never changes them (it is an Event naming the project).",
+    )
+    project_lines: int | None = Field(None, ge=0, description="Project policy lines in all (listed or registered).")
+    project_decisions_after: str | None = Field(
+        None,
+        max_length=64,
+        description="Stream id: project lines' rollout decisions up to it are turned into Events.",
     )
     endpoints: Endpoints = Field(default_factory=Endpoints)
 
@@ -264,4 +289,30 @@ def stamp_conditions(new: list[dict[str, str]], old: list[dict], generation: int
         if generation is not None:
             stamped["observedGeneration"] = generation
         out.append(stamped)
+    return out
+
+
+def decision_text(kind: str, version: int | None, actor: str, reason: str) -> str:
+    """A rollout decision on one line of status: ``rollback v3 by controller: ...``."""
+    return f"{kind} v{version} by {actor}: {reason}"
+
+
+def project_lines_status(
+    tables: Mapping[str, PolicyTable], decided: Mapping[str, str], old: Mapping[str, Any] | None
+) -> dict[str, dict[str, Any] | None]:
+    """``status.projects`` from the shown lines' policy tables and their newest decision this pass (``decided``;
+    else the one ``old`` shows). A line ``old`` shows and this pass does not is ``None``: the status is written as a
+    JSON merge patch, where null removes a member."""
+    old = old or {}
+    out: dict[str, dict[str, Any] | None] = {}
+    for name, t in tables.items():
+        last = decided.get(name) or (old.get(name) or {}).get("lastDecision")
+        out[name] = {
+            "stableVersion": t.stable,
+            "candidateVersion": t.candidate,
+            "pinnedVersion": t.pinned,
+            "paused": t.paused,
+            "lastDecision": last[:256] if last else None,
+        }
+    out.update({name: None for name in old if name not in tables})
     return out

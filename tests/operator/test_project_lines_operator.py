@@ -270,3 +270,35 @@ def test_a_projects_event_name_is_a_valid_object_name_and_tells_projects_apart()
     assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", n) for n in names)
     assert a["reason"] == "ProjectRolloutRollback" and a["type"] == "Warning"
     assert a["message"].startswith("project Acme_Team: v1") and shared["reason"] == "RolloutRollback"
+
+
+async def test_the_operator_user_reads_every_project_line_on_the_locked_down_redis(tmp_path) -> None:
+    """As its own ACL user (the generated users: registry, project tables and decisions, TIME in a MULTI) the
+    operator's whole data-plane read runs with ``ACL LOG`` empty."""
+    from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
+    from onlinerl_operator.observe import read_view
+
+    server = EmbeddedValkey(
+        tmp_path / "valkey", users=RedisUsers("demo", ensure_users_file(tmp_path / "users.yaml"))
+    ).start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        dataplane_lines.register(admin, KEYS, "beta")
+        decide(admin, "acme", "promote", 1, 0, "acme canary won", stable=1)
+        decide(admin, "beta", "gate_fail", 2, 0, "beta worse")
+        admin.acl_log_reset()
+        projects = ProjectsConfig(adapters="all", listed=["acme"])
+        view = await read_view(server.url_for("operator"), "demo", projects=projects)
+        assert [(line, d.decision) for line, _, d in view.lines.decisions] == [
+            ("acme", "promote"),
+            ("beta", "gate_fail"),
+        ]
+        assert view.lines.tables["acme"].stable == 1 and view.lines.names == ["acme", "beta"]
+        again = await read_view(
+            server.url_for("operator"), "demo", projects=projects, project_decisions_after=view.lines.cursor
+        )
+        assert again.lines.decisions == []
+        assert admin.acl_log() == []
+    finally:
+        admin.close()
+        server.stop()

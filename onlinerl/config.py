@@ -504,8 +504,8 @@ class TrainerLoraConfig(_Section):
     last_layers: int = Field(
         0,
         ge=0,
-        description="Adapt only the last N transformer layers (0 = all). Backward then stops N layers deep: "
-        "measured 1.6x faster steps for N=8 of SmolLM2's 30 on CPU.",
+        description="Adapt only the last N transformer layers (0, or N at least the model's layer count = all). "
+        "Backward then stops N layers deep: measured 1.6x faster steps for N=8 of SmolLM2's 30 on CPU.",
     )
 
 

@@ -129,3 +129,53 @@ def views(
         activity = text(next(replies) or b"") if line in activity_of else None
         out[line] = LineView(line, PolicyTable.from_redis(policy), parse_verdicts(verdicts), table.states, activity)
     return out
+
+
+async def tables_async(client: Any, job: str, projects: Sequence[str]) -> tuple[PolicyTable, dict[str, PolicyTable]]:
+    """The shared policy table and each of ``projects``' line tables, in one pipelined round trip (the gateway's
+    background refresh: it routes a key on its project's line)."""
+    keys = Keys(job)
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.policy)
+    for project in projects:
+        pipe.hgetall(keys.for_project(project).policy)
+    shared, *tables = await pipe.execute()
+    by_line = {p: PolicyTable.from_redis(t) for p, t in zip(projects, tables, strict=True)}
+    return PolicyTable.from_redis(shared), by_line
+
+
+async def tables_and_holds_async(client: Any, line_keys: Sequence[Keys]) -> list[tuple[PolicyTable, Any]]:
+    """Each line's policy table and raw holds hash (``holds.active_holds`` reads it), in one pipelined round trip
+    (the reloader's tick over the project lines it follows)."""
+    pipe = client.pipeline(transaction=False)
+    for keys in line_keys:
+        pipe.hgetall(keys.policy)
+        pipe.hgetall(keys.holds)
+    replies = await pipe.execute()
+    return [(PolicyTable.from_redis(replies[2 * i]), replies[2 * i + 1]) for i in range(len(line_keys))]
+
+
+async def tables_and_decisions_async(
+    client: Any, job: str, shown: Sequence[str], names: Sequence[str], after: str | None, per_line: int
+) -> tuple[int, dict[str, PolicyTable], dict[str, list[Any]]]:
+    """One atomic snapshot for the operator: the server time (ms), the policy tables of ``shown`` and, for every
+    line of ``names``, its decisions after stream id ``after`` (oldest first, at most ``per_line``), or with no
+    ``after`` its newest ``per_line`` (oldest first). Raw entries: ``decisions.records`` parses them."""
+    keys = Keys(job)
+    pipe = client.pipeline(transaction=True)  # one snapshot: a cursor over many streams needs one server time
+    pipe.time()
+    for name in shown:
+        pipe.hgetall(keys.for_project(name).policy)
+    for name in names:
+        stream = keys.for_project(name).decisions
+        if after:
+            pipe.xrange(stream, min=f"({after}", count=per_line)
+        else:
+            pipe.xrevrange(stream, count=per_line)
+    replies = await pipe.execute()
+    seconds, micros = replies[0]
+    tables = {name: PolicyTable.from_redis(raw) for name, raw in zip(shown, replies[1 : 1 + len(shown)], strict=True)}
+    raw_decisions = {
+        name: list(raw if after else reversed(raw)) for name, raw in zip(names, replies[1 + len(shown) :], strict=True)
+    }
+    return int(seconds) * 1000 + int(micros) // 1000, tables, raw_decisions

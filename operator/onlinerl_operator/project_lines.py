@@ -99,22 +99,7 @@ async def read(r: Any, job: str, projects: ProjectsConfig, after: str | None) ->
     if not names:
         return ProjectLinesView(cursor=after)
     shown = names[:MAX_SHOWN]
-    pipe = r.pipeline(transaction=True)  # one snapshot: the cursor's rule needs every stream as of one server time
-    pipe.time()
-    for name in shown:
-        pipe.hgetall(keys.for_project(name).policy)
-    for name in names:
-        stream = keys.for_project(name).decisions
-        if after:
-            pipe.xrange(stream, min=f"({after}", count=PER_LINE)
-        else:
-            pipe.xrevrange(stream, count=PER_LINE)
-    replies = await pipe.execute()
-    seconds, micros = replies[0]
-    tables = {name: PolicyTable.from_redis(raw) for name, raw in zip(shown, replies[1 : 1 + len(shown)], strict=True)}
-    per_line = {
-        name: decisions.records(raw if after else reversed(raw))
-        for name, raw in zip(names, replies[1 + len(shown) :], strict=True)
-    }
-    picked, cursor = pick(per_line, after, int(seconds) * 1000 + int(micros) // 1000)
+    snapshot_ms, tables, raw = await dataplane_lines.tables_and_decisions_async(r, job, shown, names, after, PER_LINE)
+    per_line = {name: decisions.records(entries) for name, entries in raw.items()}
+    picked, cursor = pick(per_line, after, snapshot_ms)
     return ProjectLinesView(names=names, tables=tables, decisions=picked, cursor=cursor)

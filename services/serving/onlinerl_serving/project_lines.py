@@ -16,11 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from onlinerl.config import OnlineRLConfig
-from onlinerl.dataplane import versions
+from onlinerl.dataplane import lines, versions
 from onlinerl.dataplane.holds import active_holds
-from onlinerl.dataplane.lines import registered
 from onlinerl.keys import Keys
-from onlinerl.schemas import PolicyTable
 
 if TYPE_CHECKING:
     from onlinerl_serving.reloader import Reloader
@@ -50,7 +48,7 @@ class ProjectLines:
     async def discover(self) -> None:
         """Under ``adapters: all``, the lines registered since the last look (one SMEMBERS)."""
         if self.cfg.projects.adapters == "all":
-            self._add(registered(await self.redis.smembers(Keys(self.cfg.job).lines)))
+            self._add(await lines.read_async(self.redis, Keys(self.cfg.job)))
 
     def by_stream(self) -> dict[str, Reloader]:
         """Each line's ``checkpoints`` stream and its reloader: the shared reloader reads them all in one XREAD."""
@@ -64,16 +62,11 @@ class ProjectLines:
         active = [r for r in self.lines.values() if r.versions]
         if not active:
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for r in active:
-            pipe.hgetall(r.keys.policy)
-            pipe.hgetall(r.keys.holds)
-        replies = await pipe.execute()
+        read = await lines.tables_and_holds_async(self.redis, [r.keys for r in active])
         now = time.time()
-        for i, r in enumerate(active):
+        for r, (table, raw_holds) in zip(active, read, strict=True):
             try:
-                table = PolicyTable.from_redis(replies[2 * i])
-                await r.reconcile(names, table, active_holds(replies[2 * i + 1], now))
+                await r.reconcile(names, table, active_holds(raw_holds, now))
             except Exception as exc:  # one line's failure (its folder, its table) must not stop the others
                 log.exception("project %s: reconcile failed (retrying): %s", r.line, exc)
 

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from onlinerl.config import ProjectsConfig
+from onlinerl.dataplane import lines
 from onlinerl.keys import SHARED_LINE, Keys
 from onlinerl.lines import parse_adapter_name
 from onlinerl.schemas import PolicyTable
@@ -126,13 +127,7 @@ class ServingState:
         """The shared table and those of the project lines loaded here, in one pipelined round trip."""
         try:
             projects = sorted(self.line_loaded)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hgetall(self.keys.policy)
-            for project in projects:
-                pipe.hgetall(self.keys.for_project(project).policy)
-            shared, *tables = await pipe.execute()
-            self.policy = PolicyTable.from_redis(shared)
-            self.line_tables = {p: PolicyTable.from_redis(t) for p, t in zip(projects, tables, strict=True)}
+            self.policy, self.line_tables = await lines.tables_async(self.redis, self.keys.job, projects)
             self.lines = routable(self.projects, self.line_tables, self.line_loaded)
             self.redis_up = True
             self.policy_at = time.monotonic()

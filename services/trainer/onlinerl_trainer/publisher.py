@@ -61,7 +61,8 @@ class Publisher:
         self.client = client
         self.lease = lease
         self.stream = stream
-        self.settle = settle or stream.ack  # acknowledges what no other line still holds open (SampleFeed.settle)
+        # acknowledges what no other line still holds open (SampleFeed.settle); no stream: a publisher that only prunes
+        self.settle = settle or (stream.ack if stream is not None else None)
         self.metrics = metrics
         self.model_path = Path(model_path)
         self.store = CheckpointStore(checkpoint_root(cfg.storage.checkpoint_dir, cfg.job, line))

@@ -27,7 +27,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import orjson
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +45,12 @@ import serving_latency  # noqa: E402  (one request body and one timer for both l
 JOB = "bench"
 
 
-def start(n: int, state: Path, model: Path, ckpt: Path) -> Stack:
+def start(n: int, state: Path, model: Path, ckpt: Path, gateway_mode: str = "sidecar") -> Stack:
     cfg = from_mapping(
         {
             "job": JOB,
             "model": {"path": str(model), "maxModelLen": 1024},
-            "serving": {"host": "127.0.0.1", "port": free_port(), "replicas": n},
+            "serving": {"host": "127.0.0.1", "port": free_port(), "replicas": n, "gatewayMode": gateway_mode},
             "rollout": {"strategy": "direct"},
             "storage": {"checkpointDir": str(ckpt)},
         }
@@ -67,17 +66,24 @@ def latency(stack: Stack, n: int, warmup: int, max_tokens: int) -> dict[str, dic
     rep = stack.replicas[0]
     auth = {"content-type": "application/json", "authorization": f"Bearer {stack.api_key}"}
     plain = {"content-type": "application/json"}
+    engine = f"http://127.0.0.1:{rep.engine}/v1/completions"
     paths = [
-        ("direct", f"http://127.0.0.1:{rep.engine}/v1/completions", plain),
-        ("gateway", f"{rep.gateway_url}/v1/completions", auth),
+        ("direct", engine, plain, False),
+        ("direct+cap", engine, plain, True),  # the body the gateway sends vLLM: the gateway's own share is over it
+        ("gateway", f"{rep.gateway_url}/v1/completions", auth, False),
     ]
     if len(stack.replicas) > 1:
-        paths.append(("front", f"http://127.0.0.1:{stack.cfg.serving.port}/v1/completions", auth))
+        paths.append(("front", f"http://127.0.0.1:{stack.cfg.serving.port}/v1/completions", auth, False))
+    served = stack.cfg.model.served_name
     bodies = {
-        stream: orjson.dumps({**serving_latency.body(stream, max_tokens), "model": stack.cfg.model.served_name})
+        (stream, cap): serving_latency.payload(stream, max_tokens, cap, served)
+        for stream in (False, True)
+        for cap in (False, True)
+    }
+    by_mode = {
+        stream: [(name, url, bodies[stream, cap], headers) for name, url, headers, cap in paths]
         for stream in (False, True)
     }
-    by_mode = {stream: [(name, url, bodies[stream], headers) for name, url, headers in paths] for stream in bodies}
     return serving_latency.interleave(by_mode, n, warmup)
 
 
@@ -106,19 +112,21 @@ pct, paired_median = serving_latency.pct, serving_latency.paired_median
 
 def report(results: dict) -> str:
     rows = [
-        "| replicas | path | non-stream total p50 ms | added vs direct ms | stream total p50 ms | p95 ms | "
-        "added vs direct ms | TTFT p50 ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| replicas | path | non-stream total p50 ms | added vs direct ms | vs direct+cap ms | stream total p50 ms | "
+        "p95 ms | added vs direct ms | vs direct+cap ms | TTFT p50 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, res in results["latency"].items():
         for name, m in res.items():
-            direct = res["direct"]
+            direct, cap = res["direct"], res.get("direct+cap", res["direct"])
             added_ns = paired_median(m["total"], direct["total"]) * 1e3
+            over_cap_ns = paired_median(m["total"], cap["total"]) * 1e3
             added = paired_median(m["stream_total"], direct["stream_total"]) * 1e3
+            over_cap = paired_median(m["stream_total"], cap["stream_total"]) * 1e3
             rows.append(
-                f"| {n} | {name} | {pct(m['total'], 0.5) * 1e3:.2f} | {added_ns:+.2f} | "
+                f"| {n} | {name} | {pct(m['total'], 0.5) * 1e3:.2f} | {added_ns:+.2f} | {over_cap_ns:+.2f} | "
                 f"{pct(m['stream_total'], 0.5) * 1e3:.2f} | {pct(m['stream_total'], 0.95) * 1e3:.2f} | {added:+.2f} | "
-                f"{pct(m['ttft'], 0.5) * 1e3:.2f} |"
+                f"{over_cap:+.2f} | {pct(m['ttft'], 0.5) * 1e3:.2f} |"
             )
     rows += ["", "| replicas | announce -> table switched, s (each switch) | median s |", "|---|---|---|"]
     for n, times in results["switch"].items():
@@ -145,6 +153,12 @@ def main() -> int:
     ap.add_argument("--switches", type=int, default=3, help="versions announced per phase")
     ap.add_argument("--replicas", default="1,2", help="phases, in order")
     ap.add_argument("--json", type=Path, default=None, help="write the raw figures here")
+    ap.add_argument(
+        "--gateway-mode",
+        choices=("sidecar", "inProcess"),
+        default="sidecar",
+        help="serving.gatewayMode of every phase: the gateway as its own process, or inside vLLM's",
+    )
     args = ap.parse_args()
 
     from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
@@ -164,7 +178,7 @@ def main() -> int:
         paths = {v: write_lora_checkpoint(JOB, model, ckpt, v) for v in range(1, args.switches + 1)}
         for n in phases:
             print(f"phase: {n} replica(s): starting", file=sys.stderr, flush=True)
-            stack = start(n, Path(tmp) / f"state-{n}", model, ckpt)
+            stack = start(n, Path(tmp) / f"state-{n}", model, ckpt, args.gateway_mode)
             try:
                 results["load_1m"].append(os.getloadavg()[0])
                 results["latency"][str(n)] = latency(stack, args.n, args.warmup, args.max_tokens)

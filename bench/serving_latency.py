@@ -6,12 +6,14 @@ Three paths, round-robin in one run (so machine noise hits all alike):
                 serving.streamInterval, the neutral sampling fields and the recorded temperature): isolates the
                 proxy's own cost (a --baseline-ref gateway sends its own commit's body, which may differ);
   gateway       through the gateway (auth, routing, relay, rollout record write sent to Redis before [DONE]);
-and with --baseline-ref REF a fourth, the gateway as of that commit (same valkey, same vLLM): before/after in one run.
+and with --baseline-ref REF a fourth, the gateway as of that commit (same valkey, same vLLM): before/after in one run;
+with --in-process, ``gateway (in-process)``: the gateway inside the same vLLM's process (serving.gatewayMode).
 For each: non-stream total, stream time-to-first-token and stream total, p50 and p99, sequential requests.
 
     .venv/bin/python bench/serving_latency.py                 # starts valkey + vLLM (tiny model) + gateway
     .venv/bin/python bench/serving_latency.py --engine-url http://127.0.0.1:8001 --model-path DIR
     .venv/bin/python bench/serving_latency.py -n 200 --baseline-ref bcd9172
+    .venv/bin/python bench/serving_latency.py -n 200 --in-process     # sidecar and in-process, one vLLM
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ def body(stream: bool, max_tokens: int) -> dict:
         "stop": list(QWEN.stop),
         "stream": stream,
     }
+
+
+def payload(stream: bool, max_tokens: int, capture: bool, served_name: str = "onlinerl-base") -> bytes:
+    """The client's body, or (``capture``) exactly what the gateway sends vLLM for it (``upstream_body``)."""
+    plain = orjson.dumps({**body(stream, max_tokens), "model": served_name})
+    if not capture:
+        return plain
+    return upstream_body(parse_completion_request(plain, Limits(10**6, 10**6, 10**6)), served_name, STREAM_INTERVAL)
 
 
 def timed(client: httpx.Client, url: str, payload: bytes, headers: dict, stream: bool) -> tuple[float, float]:
@@ -130,15 +140,13 @@ def run(
     """``gateways``: path name -> gateway URL (ours, and an older commit's with ``--baseline-ref``); ``breakdown``
     adds one direct path per part of the capture (CAPTURE_PARTS); ``engines``: more vLLM servers (name -> URL), each
     timed with the client's body and with the capture's (``direct <name>``, ``direct+cap <name>``)."""
-    limits = Limits(10**6, 10**6, 10**6)
     auth = {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY}
     engine = f"{engine_url}/v1/completions"
     json_only = {"content-type": "application/json"}
     parts = CAPTURE_PARTS if breakdown else {}
     paths = {}
     for stream in (False, True):
-        plain = orjson.dumps(body(stream, max_tokens))
-        cap = upstream_body(parse_completion_request(plain, limits), "onlinerl-base", STREAM_INTERVAL)
+        plain, cap = payload(stream, max_tokens, False), payload(stream, max_tokens, True)
         paths[stream] = [
             ("direct", engine, plain, json_only),
             ("direct+cap", engine, cap, json_only),
@@ -240,6 +248,14 @@ def machine() -> str:
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), Python {py}"
 
 
+def gateway_config(path: Path, port: int, engine_url: str, redis_url: str, keys: Path) -> Path:
+    """A gateway's config file (the sidecar's, or the one vLLM's in-process gateway reads): its port, this vLLM."""
+    serving = {"host": "127.0.0.1", "port": port, "engineUrl": engine_url}
+    auth = {"apiKeysFile": str(keys)}
+    path.write_text(yaml.safe_dump({"job": "bench", "redis": {"url": redis_url}, "auth": auth, "serving": serving}))
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-url", default="", help="use a running vLLM (else start one on the tiny model)")
@@ -262,14 +278,22 @@ def main() -> int:
     ap.add_argument(
         "--breakdown", action="store_true", help="also time vLLM with each part of the capture alone (CAPTURE_PARTS)"
     )
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="start vLLM with the gateway inside it (serving.gatewayMode: inProcess) and time that gateway too, "
+        "beside the sidecar gateway on the same vLLM",
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="orl-bench-"))
     children: list[Child] = []
     valkey = EmbeddedValkey(tmp / "valkey").start()
     try:
+        keys = write_keys_file(tmp / "keys.yaml", {"bench": [KEY]})
         engine_url = args.engine_url
         extra_engines: dict[str, str] = {}
+        in_process: dict[str, str] = {}
         if not engine_url:
             from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
             from onlinerl_serving.engine import start_vllm
@@ -282,14 +306,21 @@ def main() -> int:
             port = free_port()
             cfg = from_mapping({"model": {"maxModelLen": 2048}})
             env = {"VLLM_PLUGINS": others_than_ours()} if args.without_plugin else {}
-            children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port, extra_env=env))
             engine_url = f"http://127.0.0.1:{port}"
+            if args.in_process:  # the gateway inside this vLLM, on its own port, configured as the sidecar is
+                inproc_port = free_port()
+                cfg_path = gateway_config(tmp / "in-process.yaml", inproc_port, engine_url, valkey.url, keys)
+                cfg = from_mapping({"model": {"maxModelLen": 2048}, "serving": {"gatewayMode": "inProcess"}})
+                env = {**env, "ONLINERL_CONFIG": str(cfg_path)}
+                in_process["gateway (in-process)"] = f"http://127.0.0.1:{inproc_port}"
+            children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port, extra_env=env))
+            for url in in_process.values():
+                children[-1].wait_healthy(f"{url}/readyz", 60)
             if args.ab_plugin:
                 port2 = free_port()
                 env = {"VLLM_PLUGINS": others_than_ours()}
                 children.append(start_vllm(cfg, model, tmp / "vllm-noplugin.log", port=port2, extra_env=env))
                 extra_engines["no plugin"] = f"http://127.0.0.1:{port2}"
-        keys = write_keys_file(tmp / "keys.yaml", {"bench": [KEY]})
         versions = {"gateway": None}
         if args.baseline_ref:
             packages = {"onlinerl": "onlinerl", "onlinerl_serving": "services/serving"}
@@ -297,12 +328,7 @@ def main() -> int:
         gateways: dict[str, tuple[Child, str]] = {}
         for name, path in versions.items():
             gw_port = free_port()
-            cfg_path = tmp / f"{name}.yaml"
-            serving = {"host": "127.0.0.1", "port": gw_port, "engineUrl": engine_url}
-            auth = {"apiKeysFile": str(keys)}
-            cfg_path.write_text(
-                yaml.safe_dump({"job": "bench", "redis": {"url": valkey.url}, "auth": auth, "serving": serving})
-            )
+            cfg_path = gateway_config(tmp / f"{name}.yaml", gw_port, engine_url, valkey.url, keys)
             env = {"ONLINERL_CONFIG": str(cfg_path), **({"PYTHONPATH": str(path)} if path else {})}
             gw = Child(
                 name,
@@ -316,9 +342,10 @@ def main() -> int:
             gw.wait_healthy(f"{gw_url}/readyz", 60)
             gateways[name] = (gw, gw_url)
         before = {name: (cpu_seconds(gw.pid), overhead_histogram(url)) for name, (gw, url) in gateways.items()}
+        inproc_before = {name: overhead_histogram(url) for name, url in in_process.items()}
         res = run(
             engine_url,
-            {name: url for name, (_, url) in gateways.items()},
+            {name: url for name, (_, url) in gateways.items()} | in_process,
             args.n,
             args.max_tokens,
             args.warmup,
@@ -336,6 +363,10 @@ def main() -> int:
                 f"{(cpu1 - cpu0) / gw_requests * 1e3:.2f} ms per request; mean in-gateway time per request "
                 f"(`onlinerl_serving_gateway_overhead_seconds`): {inside_ms:.2f} ms."
             )
+        for name, url in in_process.items():
+            (count0, sum0), (count1, sum1) = inproc_before[name], overhead_histogram(url)
+            inside_ms = (sum1 - sum0) / max(1.0, count1 - count0) * 1e3
+            own.append(f"`{name}`: mean in-gateway time per request: {inside_ms:.2f} ms (its CPU is vLLM's process').")
     finally:
         for c in reversed(children):
             c.stop()

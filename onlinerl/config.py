@@ -209,6 +209,14 @@ class ServingConfig(_Section):
         "logged with the tenant) and the user's request still succeeds; an evicted rollout can no longer be rated. "
         "Each record also expires redis.rolloutTtlSeconds after it was written.",
     )
+    gateway_mode: Literal["sidecar", "inProcess"] = Field(
+        "sidecar",
+        description="Where the gateway runs: sidecar = its own process beside vLLM, reaching it over loopback HTTP; "
+        "inProcess = inside vLLM's API server process (loaded with vLLM's --middleware), calling vLLM's app "
+        "directly: no second hop, about 1-2 ms less per completion (bench/RESULTS.md, issue 40). The gateway's port, "
+        "routes and behaviour are the same; vLLM stays on loopback. inProcess needs the onlinerl serving package "
+        "in the engine's image (the CPU engine image has it; for GPUs see services/serving/Dockerfile.engine-gpu).",
+    )
     weights_mode: Literal["lora", "full"] = "lora"
     lora: ServingLoraConfig = Field(default_factory=ServingLoraConfig)
     keep_versions: int = Field(3, ge=1, le=64)

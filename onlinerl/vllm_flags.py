@@ -34,3 +34,12 @@ def lora_args(cfg: OnlineRLConfig) -> list[str]:
     if lora.max_cpu_loras is not None:
         args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
     return args
+
+
+IN_PROCESS_GATEWAY = "onlinerl_serving.inprocess.InProcessGateway"
+
+
+def gateway_args(cfg: OnlineRLConfig) -> list[str]:
+    """``serving.gatewayMode: inProcess``: vLLM's API server loads the gateway as its middleware
+    (services/serving/onlinerl_serving/inprocess.py), so the gateway calls vLLM's app without a second hop."""
+    return ["--middleware", IN_PROCESS_GATEWAY] if cfg.serving.gateway_mode == "inProcess" else []

@@ -373,11 +373,15 @@ class Stack:
             )
             name = f"vllm{rep.suffix(single)}"
             env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, environ) | shared
+            if self.cfg.serving.gateway_mode == "inProcess":  # the gateway runs in this process: its config and user
+                env = self.child_env("gateway") | env
             child = Child(name, argv, self.paths.logs / f"{name}.log", env=env)
             self.children.append(child.start())  # appended first: a failed start is stopped with the rest
             started.append(child)
         for rep, child in zip(replicas, started, strict=True):
             child.wait_healthy(f"http://127.0.0.1:{rep.engine}/v1/models", timeout)
+            if self.cfg.serving.gateway_mode == "inProcess":
+                child.wait_healthy(f"{rep.gateway_url}/healthz", 60)
         return started
 
     def start_serving(
@@ -396,6 +400,8 @@ class Stack:
         if external_engine:
             if not single:
                 raise ValueError("an external engine serves one replica: serving.replicas must be 1")
+            if self.cfg.serving.gateway_mode == "inProcess":
+                raise ValueError("serving.gatewayMode inProcess runs the gateway inside the vLLM it starts")
             on_step(f"using the running vLLM at {self.cfg.serving.engine_url}")
         else:
             on_step(f"starting vLLM{'' if single else f' x{n}'} (about a minute on CPU)")
@@ -403,9 +409,10 @@ class Stack:
             on_step("vLLM healthy")
         for rep in self.replicas:
             env, sfx = rep.env(single), rep.suffix(single)
-            self.start_child(
-                f"gateway{sfx}", "onlinerl_serving.gateway", f"{rep.gateway_url}/healthz", 60, env, "gateway"
-            )
+            if self.cfg.serving.gateway_mode == "sidecar":  # inProcess: it runs inside vLLM, already started
+                self.start_child(
+                    f"gateway{sfx}", "onlinerl_serving.gateway", f"{rep.gateway_url}/healthz", 60, env, "gateway"
+                )
             self.start_child(
                 f"reloader{sfx}",
                 "onlinerl_serving.reloader",

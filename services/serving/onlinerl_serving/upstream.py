@@ -11,6 +11,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import httptools
 
@@ -141,6 +142,32 @@ class UpstreamResponse:
             self._pool._release(self._conn)
         else:
             self._conn.close()
+
+
+class EngineResponse(Protocol):
+    """What the gateway reads of one engine response: :class:`UpstreamResponse` or an in-process one."""
+
+    status_code: int
+    headers: list[tuple[bytes, bytes]]
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Engine(Protocol):
+    """How the gateway reaches its vLLM: :class:`EnginePool` over loopback HTTP (sidecar mode), or
+    ``inprocess.InProcessEngine`` as a direct ASGI call in vLLM's own process."""
+
+    read_timeout: float
+
+    async def post(self, path: str, body: bytes) -> EngineResponse: ...
+
+    async def get_bytes(self, path: str) -> tuple[int, bytes]: ...
+
+    def close(self) -> None: ...
 
 
 class EnginePool:

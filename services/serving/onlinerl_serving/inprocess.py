@@ -1,0 +1,294 @@
+"""The gateway inside vLLM's API server process (``serving.gatewayMode: inProcess``, issue 40): no second hop.
+
+In the default ``sidecar`` mode the gateway is its own process and reaches vLLM over loopback HTTP: every completion
+is parsed and written twice (client -> gateway, gateway -> vLLM), crosses two sockets and wakes two event loops. That
+hop, not the gateway's own Python (under 100 µs a request, bench/RESULTS.md), was most of the gateway's share of a
+Tab completion's latency. Here vLLM's OpenAI server loads :class:`InProcessGateway` with ``--middleware``; when vLLM's
+app starts (its ASGI lifespan), the middleware starts the very same gateway app (:func:`gateway.create_app`: auth,
+routing, capture, the record written before ``[DONE]``) on the gateway's own port, in vLLM's event loop, with an
+:class:`InProcessEngine` in place of the socket pool: a request to vLLM is a direct ASGI call into vLLM's app.
+
+What stays as it is: vLLM still listens on loopback only (``serving.engineUrl``), so its admin routes (LoRA load and
+unload, full-weight dev routes) stay out of reach of anything outside the pod; the reloader still talks to it there;
+the gateway's port, routes, metrics and behaviour are those of the sidecar. A failure to start the gateway (bad config,
+port taken, Redis URL missing) fails vLLM's startup: a replica without its gateway must not look alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from onlinerl.asgi import ASGIApp, Receive, Scope, Send
+from onlinerl_serving.upstream import EngineTimeout, EngineUnavailable
+
+log = logging.getLogger("onlinerl.gateway.inprocess")
+
+_EOF = object()
+START_TIMEOUT_SECONDS = 30.0
+
+
+class InProcessResponse:
+    """One in-process request to vLLM's app, as :class:`onlinerl_serving.upstream.UpstreamResponse` reads: status
+    and headers once vLLM started its response, then the body in pieces; :meth:`aclose` always.
+
+    vLLM's handlers watch ``receive`` for the client leaving (non-streaming: ``with_cancellation``; streaming:
+    Starlette's disconnect listener) and abort the generation when it says ``http.disconnect``; :meth:`aclose` on an
+    unfinished response says exactly that, as closing the socket did in sidecar mode."""
+
+    def __init__(self, read_timeout: float, body: bytes) -> None:
+        self.read_timeout = read_timeout
+        self.status_code = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._body = body
+        self._sent_body = False
+        self._gone = asyncio.Event()
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._done = False
+        self._whole: bytes | None = None
+        self.task: asyncio.Task | None = None
+
+    # --- the ASGI side, called by vLLM's app ----------------------------------------------------------------
+    async def receive(self) -> dict:
+        if not self._sent_body:
+            self._sent_body = True
+            return {"type": "http.request", "body": self._body, "more_body": False}
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status_code = int(message["status"])
+            self.headers = [(bytes(k).lower(), bytes(v)) for k, v in message.get("headers", ())]
+            self._push(None)
+        elif kind == "http.response.body":
+            body = message.get("body", b"")
+            if body:
+                self._push(bytes(body))
+            if not message.get("more_body", False):
+                self._push(_EOF)
+
+    def finished(self, task: asyncio.Task) -> None:
+        """The app returned (or failed): whatever the reader still waits for must end."""
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            self._push(EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}"))
+        self._push(_EOF)
+
+    def _push(self, item: object) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _next(self) -> object:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self._waiter, self.read_timeout)
+            except TimeoutError:
+                raise EngineTimeout(f"no answer from the engine within {self.read_timeout:.0f} s") from None
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    # --- the gateway side -----------------------------------------------------------------------------------
+    async def wait_head(self) -> None:
+        item = await self._next()
+        if item is _EOF:
+            self._done = True
+            raise EngineUnavailable("the engine ended the request without a response")
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body data as vLLM sends it; pieces already queued come as one (one relay write instead of many)."""
+        while not self._done:
+            item = await self._next()
+            if item is _EOF:
+                self._done = True
+                return
+            if self._items and isinstance(self._items[0], bytes):
+                pieces = [item]
+                while self._items and isinstance(self._items[0], bytes):
+                    pieces.append(self._items.popleft())
+                item = b"".join(pieces)  # type: ignore[arg-type]
+            yield item  # type: ignore[misc]
+
+    async def read(self) -> bytes:
+        if self._whole is None:
+            self._whole = b"".join([c async for c in self.chunks()])
+        return self._whole
+
+    async def aclose(self) -> None:
+        """Unfinished: tell vLLM the client left (it aborts the generation), then make sure its handler ends."""
+        if self._done or self.task is None or self.task.done():
+            return
+        self._gone.set()
+        await asyncio.sleep(0)  # let the handler's disconnect listener see it and abort cleanly
+        if not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+
+class InProcessEngine:
+    """The engine client of the gateway (the interface of :class:`onlinerl_serving.upstream.EnginePool`) over
+    vLLM's own ASGI app in this process. ``app_scope`` holds what Starlette gives each request of vLLM's app (the
+    app object, whose ``state`` vLLM's handlers read, and the lifespan state); it is filled at vLLM's startup."""
+
+    def __init__(self, app: ASGIApp, *, read_timeout: float) -> None:
+        self.app = app
+        self.read_timeout = read_timeout
+        self.app_scope: dict[str, Any] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def _scope(self, method: str, path: str, body: bytes) -> Scope:
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode("latin-1"),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [
+                (b"host", b"in-process"),
+                (b"content-type", b"application/json"),
+                (b"accept", b"*/*"),
+                (b"content-length", str(len(body)).encode("latin-1")),
+            ],
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+        }
+        if "app" in self.app_scope:
+            scope["app"] = self.app_scope["app"]
+        if self.app_scope.get("state") is not None:
+            scope["state"] = dict(self.app_scope["state"])
+        return scope
+
+    async def request(self, method: str, path: str, body: bytes) -> InProcessResponse:
+        resp = InProcessResponse(self.read_timeout, body)
+        task = asyncio.ensure_future(self.app(self._scope(method, path, body), resp.receive, resp.send))
+        resp.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(resp.finished)
+        try:
+            await resp.wait_head()
+        except BaseException:
+            await resp.aclose()
+            raise
+        return resp
+
+    async def post(self, path: str, body: bytes) -> InProcessResponse:
+        return await self.request("POST", path, body)
+
+    async def get_bytes(self, path: str) -> tuple[int, bytes]:
+        resp = await self.request("GET", path, b"")
+        try:
+            return resp.status_code, await resp.read()
+        finally:
+            await resp.aclose()
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+class InProcessGateway:
+    """ASGI middleware for vLLM's ``--middleware``: passes every vLLM request through untouched, and runs the
+    gateway beside vLLM's app for as long as vLLM's app lives (its lifespan)."""
+
+    def __init__(self, app: ASGIApp, *, config_loader: Callable[[], Any] | None = None) -> None:
+        self.app = app
+        self.config_loader = config_loader
+        self.engine: InProcessEngine | None = None
+        self._server: Any = None
+        self._serving: asyncio.Task | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_wrapped(message: dict) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                try:
+                    await self.start(scope)
+                except Exception as exc:
+                    log.exception("the in-process gateway did not start")
+                    await send({"type": "lifespan.startup.failed", "message": f"onlinerl gateway: {exc}"})
+                    return
+            await send(message)
+
+        async def receive_wrapped() -> dict:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self.stop()
+            return message
+
+        await self.app(scope, receive_wrapped, send_wrapped)
+
+    async def start(self, lifespan_scope: Scope) -> None:
+        import uvicorn
+
+        from onlinerl.asgi import KEEP_ALIVE_SECONDS
+        from onlinerl.config import load_config
+        from onlinerl_serving.gateway import create_app
+
+        cfg = (self.config_loader or load_config)()
+        self.engine = InProcessEngine(self.app, read_timeout=cfg.serving.request_timeout_seconds)
+        self.engine.app_scope = {"app": lifespan_scope.get("app"), "state": lifespan_scope.get("state")}
+        config = uvicorn.Config(
+            create_app(cfg, engine=self.engine),
+            host=cfg.serving.host,
+            port=cfg.serving.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            http="httptools",
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        )
+        self._server = uvicorn.Server(config)
+        # Server.serve() would take over SIGINT/SIGTERM from vLLM's own server; _serve() is serve() without that.
+        serve = getattr(self._server, "_serve", self._server.serve)
+
+        async def serve_or_fail() -> None:
+            try:
+                await serve()
+            except SystemExit as exc:  # uvicorn exits when it cannot bind: here that must not end vLLM's loop
+                raise RuntimeError(f"uvicorn exited ({exc.code})") from None
+
+        self._serving = asyncio.ensure_future(serve_or_fail())
+        started = asyncio.ensure_future(_until(lambda: self._server.started or self._serving.done()))
+        try:
+            await asyncio.wait_for(started, START_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise RuntimeError(f"the gateway did not start within {START_TIMEOUT_SECONDS:.0f} s") from None
+        if self._serving.done():  # uvicorn exits (SystemExit) when it cannot bind or its lifespan fails
+            exc = None if self._serving.cancelled() else self._serving.exception()
+            raise RuntimeError(f"the gateway could not start on {cfg.serving.host}:{cfg.serving.port}: {exc!r}")
+        log.info("onlinerl gateway in vLLM's process on %s:%s", cfg.serving.host, cfg.serving.port)
+
+    async def stop(self) -> None:
+        if self._server is None or self._serving is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(self._serving, 30)
+        if self.engine is not None:
+            self.engine.close()
+
+
+async def _until(predicate: Callable[[], bool], interval: float = 0.02) -> None:
+    while not predicate():
+        await asyncio.sleep(interval)

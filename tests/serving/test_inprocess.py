@@ -1,0 +1,194 @@
+"""The in-process engine client (serving.gatewayMode: inProcess, issue 40) against a real Starlette app standing in
+for vLLM's FastAPI app, which is a Starlette app as well: the same ASGI contract the gateway relies on in vLLM's
+process. What vLLM itself does behind the middleware (records, switches, replicas) is tested through real vLLM in
+tests/loop/test_replicas_e2e.py, whose stack runs in this mode.
+
+Asserted: status, headers and body as the app sent them; a streamed body piece by piece; the app's errors and its
+silence become the gateway's EngineUnavailable (503) and EngineTimeout (504); and a response closed before its end
+tells the app that its client left (``http.disconnect``), which is how vLLM aborts a generation nobody will read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from onlinerl_serving.inprocess import InProcessEngine, InProcessGateway
+from onlinerl_serving.upstream import EngineTimeout, EngineUnavailable
+
+
+class FakeVllm:
+    """A Starlette app with vLLM's shapes of answer: JSON, SSE, an error, silence; it notes what it saw."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.stream_closed = asyncio.Event()
+        self.disconnect_seen = asyncio.Event()
+        self.app_seen: list[object] = []
+
+    async def completions(self, request: Request):
+        body = await request.body()
+        self.bodies.append(body)
+        self.app_seen.append(request.app)
+        if b'"stream": true' not in body:
+            return JSONResponse({"echo": body.decode()}, headers={"x-engine": "1"})
+
+        async def events():
+            try:
+                for i in range(3):
+                    yield f"data: {i}\n\n".encode()
+                    await asyncio.sleep(0)
+                if b"endless" in body:
+                    while True:
+                        yield b"data: more\n\n"
+                        await asyncio.sleep(0.01)
+                yield b"data: [DONE]\n\n"
+            finally:
+                self.stream_closed.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def boom(self, request: Request):
+        raise RuntimeError("engine core died")
+
+    async def silent(self, request: Request):
+        await asyncio.sleep(3600)
+
+    async def waits_for_client(self, request: Request):
+        """Generates until its client leaves: told by ``http.disconnect`` or cancelled (vLLM aborts on either)."""
+        try:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.01)
+        finally:
+            self.disconnect_seen.set()
+        return JSONResponse({})
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/boom", self.boom, methods=["POST"]),
+                Route("/silent", self.silent, methods=["POST"]),
+                Route("/wait", self.waits_for_client, methods=["POST"]),
+            ]
+        )
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_a_json_answer_arrives_whole_with_status_headers_and_the_request_body() -> None:
+    async def go() -> None:
+        fake = FakeVllm()
+        app = fake.app()
+        engine = InProcessEngine(app, read_timeout=5)
+        engine.app_scope = {"app": app}
+        resp = await engine.post("/v1/completions", b'{"prompt": "x"}')
+        assert resp.status_code == 200
+        assert (b"x-engine", b"1") in resp.headers
+        assert await resp.read() == b'{"echo":"{\\"prompt\\": \\"x\\"}"}'
+        await resp.aclose()
+        assert fake.bodies == [b'{"prompt": "x"}']
+        assert fake.app_seen == [app]  # the handler sees vLLM's own app (its state holds the engine client)
+        status, body = await engine.get_bytes("/nowhere")
+        assert (status, body) == (404, b"Not Found")
+
+    run(go())
+
+
+def test_a_stream_arrives_in_order_and_ends() -> None:
+    async def go() -> None:
+        fake = FakeVllm()
+        engine = InProcessEngine(fake.app(), read_timeout=5)
+        resp = await engine.post("/v1/completions", b'{"stream": true}')
+        assert resp.status_code == 200
+        got = b"".join([c async for c in resp.chunks()])
+        assert got == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+        await resp.aclose()
+        assert fake.stream_closed.is_set()
+
+    run(go())
+
+
+def test_closing_an_unfinished_stream_tells_the_app_its_client_left() -> None:
+    async def go() -> None:
+        fake = FakeVllm()
+        engine = InProcessEngine(fake.app(), read_timeout=5)
+        resp = await engine.post("/v1/completions", b'{"stream": true, "endless": 1}')
+        pieces = resp.chunks()
+        assert (await pieces.__anext__()).startswith(b"data: 0")
+        await resp.aclose()
+        await asyncio.wait_for(fake.stream_closed.wait(), 5)  # the generator was closed: vLLM aborts there
+
+    run(go())
+
+
+def test_a_request_given_up_before_its_answer_ends_the_handler() -> None:
+    async def go() -> None:
+        fake = FakeVllm()
+        engine = InProcessEngine(fake.app(), read_timeout=5)
+        task = asyncio.ensure_future(engine.post("/wait", b"{}"))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the gateway gave up (its own client left) before vLLM answered
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(fake.disconnect_seen.wait(), 5)
+
+    run(go())
+
+
+def test_an_app_error_is_engine_unavailable_and_silence_is_a_timeout() -> None:
+    async def go() -> None:
+        fake = FakeVllm()
+        engine = InProcessEngine(fake.app(), read_timeout=0.3)
+        resp = await engine.post("/boom", b"{}")  # Starlette's ServerErrorMiddleware answers 500 first
+        assert resp.status_code == 500
+        await resp.aclose()
+        raw = InProcessEngine(fake.app().router, read_timeout=0.3)  # below it, the exception itself
+        with pytest.raises(EngineUnavailable, match="engine core died"):
+            await raw.post("/boom", b"{}")
+        with pytest.raises(EngineTimeout):
+            await engine.post("/silent", b"{}")
+        assert not engine._tasks  # the silent handler was cancelled, not left running
+
+    run(go())
+
+
+def test_a_gateway_that_cannot_start_fails_the_engine_startup() -> None:
+    """A replica whose gateway did not start must not report itself started (vLLM then exits)."""
+
+    def bad_config():
+        raise ValueError("redis.url is required")
+
+    async def go() -> None:
+        fake = FakeVllm()
+        middleware = InProcessGateway(fake.app(), config_loader=bad_config)
+        sent: list[dict] = []
+        messages = iter([{"type": "lifespan.startup"}])
+
+        async def receive() -> dict:
+            try:
+                return next(messages)
+            except StopIteration:
+                await asyncio.sleep(3600)
+                raise
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        task = asyncio.ensure_future(middleware({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send))
+        for _ in range(200):
+            if sent:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        assert sent and sent[0]["type"] == "lifespan.startup.failed"
+        assert "redis.url is required" in sent[0]["message"]
+
+    run(go())

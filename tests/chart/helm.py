@@ -130,6 +130,63 @@ def promql_metric_names(expr: str) -> set[str]:
     return names
 
 
+# Labels Prometheus itself puts on every scraped series (target and operator-monitor labels), beside the contract's.
+TARGET_LABELS = frozenset(
+    {"namespace", "onlinerl_dev_job", "pod", "instance", "job", "container", "service", "endpoint"}
+)
+
+
+def series_labels(series: str) -> frozenset[str] | None:
+    """Labels a contract series may carry (its contract labels, the target labels, ``le`` on a histogram's buckets);
+    None for a name outside the contract."""
+    table = contract_table()
+    name = allowed_series().get(series)
+    if name is None:
+        return None
+    extra = {"le"} if series.endswith("_bucket") and series != name else set()
+    return table[name].labels | TARGET_LABELS | extra
+
+
+def _selectors(node: promql_parser.Expr) -> list[promql_parser.VectorSelector]:
+    found: list[promql_parser.VectorSelector] = []
+    promql_parser.walk(node, lambda n: found.append(n) if isinstance(n, promql_parser.VectorSelector) else None)
+    return found
+
+
+def promql_label_problems(expr: str) -> list[str]:
+    """Every label an expression names that its series cannot carry: a matcher's label not on its metric, and a
+    ``by``/``without``/``on``/``ignoring``/``group_left`` label on none of the series under it. Such a query parses and
+    runs, but shows nothing (or merges what it meant to split): the label check a name check cannot make."""
+    problems: list[str] = []
+
+    def carried(selectors: list[promql_parser.VectorSelector]) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for sel in selectors:
+            out |= series_labels(sel.name) or frozenset()
+        return out
+
+    def visit(node: promql_parser.Expr) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            allowed = series_labels(node.name)
+            for matcher in node.matchers.matchers:
+                if allowed is not None and matcher.name not in allowed:
+                    problems.append(f"{node.name} has no label {matcher.name!r} (contract: {sorted(allowed)})")
+        elif isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
+            allowed = carried(_selectors(node.expr))
+            for label in node.modifier.labels:
+                if label not in allowed:
+                    problems.append(f"{node.op} {node.modifier.type} ({label}): no series under it has {label!r}")
+        elif isinstance(node, promql_parser.BinaryExpr) and node.modifier is not None:
+            allowed = carried(_selectors(node.lhs) + _selectors(node.rhs))
+            matching = node.modifier.matching
+            for label in [*(matching.labels if matching else []), *(node.modifier.group_labels or [])]:
+                if label not in allowed:
+                    problems.append(f"vector matching on {label!r}: neither side has it")
+
+    promql_parser.walk(parse_promql(expr), visit)
+    return problems
+
+
 # --- dashboards and alerts -----------------------------------------------------------------------------------------
 
 DASHBOARD_DIR = CHART / "dashboards"
@@ -154,6 +211,17 @@ def dashboard_exprs() -> list[tuple[str, str, str]]:
             m = re.fullmatch(r"label_values\((\w+),\s*\w+\)", query)
             if m:
                 out.append((name, f"variable {var['name']}", m.group(1)))
+    return out
+
+
+def variable_queries() -> list[tuple[str, str, str, str]]:
+    """(dashboard file, variable, series selector, label) of every ``label_values(selector, label)`` variable."""
+    out = []
+    for name, dash in dashboards().items():
+        for var in dash["templating"]["list"]:
+            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var.get("definition", ""))
+            if m:
+                out.append((name, var["name"], m.group(1), m.group(2)))
     return out
 
 

@@ -19,8 +19,11 @@ from tests.chart.helm import (
     dashboard_exprs,
     dashboards,
     parse_promql,
+    promql_label_problems,
     promql_metric_names,
     render,
+    series_labels,
+    variable_queries,
     vllm_metric_types,
 )
 
@@ -137,6 +140,35 @@ def test_every_dashboard_metric_is_in_the_contract() -> None:
             used.add(allowed[metric])
     unused = set(contract()) - used
     assert not unused, f"contract metrics on no dashboard: {sorted(unused)}"
+
+
+def test_every_query_names_only_labels_its_series_carry(rules: list[dict]) -> None:
+    """A matcher, ``by``/``without`` or vector-matching label that the contract gives none of the series under it
+    (docs/architecture.md): such a panel parses and runs but shows nothing, so the name check alone lets it pass."""
+    exprs = [(f"{name} / {title}", expr) for name, title, expr in dashboard_exprs()]
+    exprs += [(f"alert {rule['alert']}", rule["expr"]) for rule in rules]
+    for where, expr in exprs:
+        assert not promql_label_problems(expr), f"{where}: {promql_label_problems(expr)}"
+    for name, variable, selector, label in variable_queries():
+        assert not promql_label_problems(selector), (name, variable)
+        for metric in promql_metric_names(selector):
+            assert label in (series_labels(metric) or ()), f"{name}: variable {variable} lists {label!r} of {metric}"
+
+
+def test_the_label_checker_itself() -> None:
+    assert promql_label_problems('sum by (version) (rate(onlinerl_feedback_accepted_total{arm="stable"}[5m]))') == []
+    assert (
+        promql_label_problems(
+            "histogram_quantile(0.5, sum by (le) (rate(onlinerl_trainer_step_duration_seconds_bucket[5m])))"
+        )
+        == []
+    )
+    problems = promql_label_problems("sum by (line) (rate(onlinerl_trainer_samples_total[5m]))")  # no line there
+    assert problems == ["sum AggModifierType.By (line): no series under it has 'line'"]
+    assert promql_label_problems('onlinerl_serving_requests_total{line="acme"}')  # requests are not per line
+    assert promql_label_problems("max without (role) (onlinerl_trainer_policy_version)")
+    assert promql_label_problems("onlinerl_trainer_loss / on (arm) onlinerl_trainer_approx_kl")
+    assert promql_label_problems("sum by (le) (onlinerl_trainer_loss)")  # le: histogram buckets only
 
 
 def test_vllm_names_are_real_vllm_metrics() -> None:

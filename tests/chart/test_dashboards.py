@@ -28,11 +28,20 @@ from tests.chart.helm import (
 )
 
 RENDERER = "tools/render_dashboards.py"
+# Dashboards with a `line` variable (issue 39): each policy line's figures side by side.
+LINE_DASHBOARDS = {"onlinerl-learning.json", "onlinerl-trainer.json"}
+# Gauges of a version: one line's figure, meaningless summed or maxed over lines.
+VERSION_GAUGES = {"onlinerl_serving_policy_version", "onlinerl_trainer_policy_version"}
 REQUIRED_PANELS = {
     "onlinerl-learning.json": [
         "Accept rate by policy version and arm",
         "Suggestions per request by arm",
         "Accepted per 100 requests by arm",
+        "Served version per line",
+        "Accept rate per line",
+        "Canary share per line",
+        "Feedback outcomes per line",
+        "Mean reward per line",
     ],
     "onlinerl-feedback.json": ["Feedback rate by outcome", "Join misses by reason", "Backlog and consumer lag"],
     "onlinerl-trainer.json": [
@@ -43,6 +52,8 @@ REQUIRED_PANELS = {
         "Samples/s and tokens/s",
         "Step time",
         "Sample staleness (versions behind)",
+        "Trainer updates per line",
+        "Published version per line",
     ],
     "onlinerl-serving.json": [
         "Policy version timeline",
@@ -156,7 +167,7 @@ def test_every_query_names_only_labels_its_series_carry(rules: list[dict]) -> No
 
 
 def test_the_label_checker_itself() -> None:
-    assert promql_label_problems('sum by (version) (rate(onlinerl_feedback_accepted_total{arm="stable"}[5m]))') == []
+    assert promql_label_problems('sum by (line) (rate(onlinerl_feedback_accepted_total{arm="stable"}[5m]))') == []
     assert (
         promql_label_problems(
             "histogram_quantile(0.5, sum by (le) (rate(onlinerl_trainer_step_duration_seconds_bucket[5m])))"
@@ -169,6 +180,25 @@ def test_the_label_checker_itself() -> None:
     assert promql_label_problems("max without (role) (onlinerl_trainer_policy_version)")
     assert promql_label_problems("onlinerl_trainer_loss / on (arm) onlinerl_trainer_approx_kl")
     assert promql_label_problems("sum by (le) (onlinerl_trainer_loss)")  # le: histogram buckets only
+
+
+def test_per_line_panels_split_by_the_line_variable() -> None:
+    """The line dashboards list the lines of the chosen jobs; every panel titled per line filters by the variable and
+    groups by ``line``; a version gauge is never summed or maxed across lines (acme's v3 is not the shared v3): it is
+    grouped by line or pinned to the shared line."""
+    boards = dashboards()
+    for name in LINE_DASHBOARDS:
+        order = [v["name"] for v in boards[name]["templating"]["list"]]
+        assert "line" in order and order.index("job") < order.index("line"), name
+    per_line = [(n, t, e) for n, t, e in dashboard_exprs() if t.endswith("per line")]
+    assert {n for n, _, _ in per_line} == LINE_DASHBOARDS
+    for name, title, expr in per_line:
+        assert 'line=~"$line"' in expr and re.search(r"by \([^)]*\bline\b", expr), (name, title, expr)
+    for name, title, expr in dashboard_exprs():
+        for metric in promql_metric_names(expr) & VERSION_GAUGES:
+            grouped = re.search(r"by \([^)]*\bline\b[^)]*\) \(" + re.escape(metric), expr)
+            shared = re.search(re.escape(metric) + r'\{[^}]*line="shared"', expr)
+            assert grouped or shared, (name, title, expr)
 
 
 def test_vllm_names_are_real_vllm_metrics() -> None:

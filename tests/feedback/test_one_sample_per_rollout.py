@@ -75,7 +75,7 @@ def test_one_rollout_posted_under_five_completion_ids_trains_once(server, r, key
     assert again["first_outcome"] == "duplicate"
     assert len(stream_entries(r, keys.samples)) == 1 and r.hget(keys.stats(1, "candidate"), "shown") == b"1"
     metrics = http.get(server.url + "/metrics").text
-    assert 'onlinerl_feedback_shown_total{arm="candidate",version="1"} 1.0' in metrics
+    assert 'onlinerl_feedback_shown_total{arm="candidate",line="shared",version="1"} 1.0' in metrics
 
 
 def test_concurrent_reposts_of_one_rollout_still_train_once(server, r, keys, tokenizer):

@@ -353,8 +353,8 @@ def test_shown_text_cut_inside_the_first_token_is_audited_not_trained(server, r,
     shown = {b"shown": b"1", b"accepted": b"1", b"shown_chars": b"2", b"accepted_chars": b"2"}
     assert r.hgetall(keys.stats(2, "stable")) == shown  # it was shown and accepted
     metrics = http.get(server.url + "/metrics").text
-    assert 'onlinerl_feedback_shown_total{arm="stable",version="2"} 1.0' in metrics
-    assert 'onlinerl_feedback_accepted_total{arm="stable",version="2"} 1.0' in metrics
+    assert 'onlinerl_feedback_shown_total{arm="stable",line="shared",version="2"} 1.0' in metrics
+    assert 'onlinerl_feedback_accepted_total{arm="stable",line="shared",version="2"} 1.0' in metrics
 
 
 def test_backlog_and_consumer_lag_gauges_follow_the_stream(server, r, keys, http):

@@ -60,7 +60,8 @@ def test_two_workers_share_the_port_and_report_pod_wide_metrics(empty_valkey, tm
             assert _sample(text, 'onlinerl_feedback_events_total{outcome="accepted_for_training",tenant="acme"}') == 40
             assert _sample(text, 'onlinerl_feedback_responses_total{code="200"}') == EVENTS
             assert _sample(text, "onlinerl_feedback_request_duration_seconds_count") == EVENTS
-            assert _sample(text, 'onlinerl_feedback_accepted_total{arm="stable",version="0"}') == EVENTS / 2
+            accepted = 'onlinerl_feedback_accepted_total{arm="stable",line="shared",version="0"}'
+            assert _sample(text, accepted) == EVENTS / 2
 
         def backlog() -> float:  # each worker refreshes it every 0.25 s; the pod shows the latest value written
             with httpx.Client(timeout=10) as http:

@@ -334,7 +334,7 @@ def test_gateway_metrics_count_what_was_served(stack: Stack) -> None:
     version = policy(stack).stable
     expected = {
         f'onlinerl_serving_requests_total{{arm="stable",code="200",tenant="acme",version="{version}"}}': 3.0,
-        f'onlinerl_serving_rollouts_recorded_total{{arm="stable",version="{version}"}}': 3.0,
+        f'onlinerl_serving_rollouts_recorded_total{{arm="stable",line="shared",version="{version}"}}': 3.0,
         "onlinerl_serving_ttft_seconds_count": 2.0,
         'onlinerl_serving_request_duration_seconds_count{stream="true"}': 2.0,
         'onlinerl_serving_request_duration_seconds_count{stream="false"}': 1.0,

@@ -137,8 +137,8 @@ def test_reward_moves_the_policy_and_versions_are_published(
     # --- metrics reflect the run ---------------------------------------------------------------------------------
     text = trainer.metrics.render().decode()
     assert "onlinerl_trainer_samples_total 240.0" in text
-    assert "onlinerl_trainer_steps_total 30.0" in text
-    assert "onlinerl_trainer_policy_version 3.0" in text
+    assert 'onlinerl_trainer_steps_total{line="shared"} 30.0' in text
+    assert 'onlinerl_trainer_policy_version{line="shared"} 3.0' in text
 
     # --- guard: non-finite weights are never published ------------------------------------------------------------
     guarded = [

@@ -104,7 +104,7 @@ def test_one_step_on_a_reject_lowers_its_logprob(tmp_path, redis_client, empty_v
     assert "onlinerl_trainer_inert_samples_total 0.0" in rendered
     # every sample of the step carried a negative advantage, and the step says so
     assert stats["negative_advantage_share"] == 1.0
-    assert "onlinerl_trainer_negative_advantage_share 1.0" in rendered
+    assert 'onlinerl_trainer_negative_advantage_share{line="shared"} 1.0' in rendered
     assert stats["entropy_out_of_band"] in (0.0, 1.0)
     if AlgorithmConfig().kl_coef > 0:  # the KL to the adapter-off base is measured and positive once moved
         assert stats["kl"] >= 0.0

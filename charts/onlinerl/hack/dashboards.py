@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from onlinerl.arms import CANDIDATE, STABLE  # the one definition of arm names (run with the project venv)
+from onlinerl.metric_lines import SHARED_LABEL  # the shared policy's `line` label value
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "dashboards"
 GRID_WIDTH = 24
@@ -24,6 +25,10 @@ GRID_WIDTH = 24
 # OnlineRLJobs in one namespace stay apart: every query filters by the namespace and the `job` variable.
 JOB_LABEL = "onlinerl_dev_job"
 NS = f'namespace=~"$namespace", {JOB_LABEL}=~"$job"'
+# Per policy line (issue 39): series of a figure that is per line carry `line` (`shared` or the project). A version
+# counts on its line, so a panel about the shared policy's versions picks line="shared"; per-line panels filter by the
+# `line` variable and group by it.
+LINE = "~$line"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
@@ -202,7 +207,7 @@ def _label_variable(name: str, label: str, query: str) -> dict[str, Any]:
     }
 
 
-def _variables(namespace_metric: str, window: bool) -> list[dict[str, Any]]:
+def _variables(namespace_metric: str, window: bool, line_metric: str = "") -> list[dict[str, Any]]:
     variables: list[dict[str, Any]] = [
         {
             "name": "datasource",
@@ -221,6 +226,14 @@ def _variables(namespace_metric: str, window: bool) -> list[dict[str, Any]]:
             "job", "OnlineRLJob", f'label_values({namespace_metric}{{namespace=~"$namespace"}}, {JOB_LABEL})'
         ),
     ]
+    if line_metric:  # the policy lines of the chosen jobs: `shared` and each project's own (issue 39)
+        variables.append(
+            _label_variable(
+                "line",
+                "Policy line",
+                f'label_values({line_metric}{{namespace=~"$namespace", {JOB_LABEL}=~"$job"}}, line)',
+            )
+        )
     if window:
         options = ["5m", "15m", "1h", "6h"]
         variables.append(
@@ -283,7 +296,13 @@ ANNOTATIONS = [
 
 
 def dashboard(
-    uid: str, title: str, description: str, items: list[Panel | Row], namespace_metric: str, window: bool = False
+    uid: str,
+    title: str,
+    description: str,
+    items: list[Panel | Row],
+    namespace_metric: str,
+    window: bool = False,
+    line_metric: str = "",
 ) -> dict[str, Any]:
     return {
         "uid": uid,
@@ -309,7 +328,7 @@ def dashboard(
                 "keepTime": True,
             }
         ],
-        "templating": {"list": _variables(namespace_metric, window)},
+        "templating": {"list": _variables(namespace_metric, window, line_metric)},
         "panels": layout(items),
     }
 
@@ -357,7 +376,7 @@ def learning() -> dict[str, Any]:
         Panel(
             "Stable version",
             "stat",
-            [(f"max({sel('onlinerl_serving_policy_version', role=STABLE)})", STABLE)],
+            [(f"max({sel('onlinerl_serving_policy_version', role=STABLE, line=SHARED_LABEL)})", STABLE)],
             width=4,
             height=5,
             decimals=0,
@@ -365,7 +384,7 @@ def learning() -> dict[str, Any]:
         Panel(
             "Candidate version",
             "stat",
-            [(f"max({sel('onlinerl_serving_policy_version', role=CANDIDATE)})", CANDIDATE)],
+            [(f"max({sel('onlinerl_serving_policy_version', role=CANDIDATE, line=SHARED_LABEL)})", CANDIDATE)],
             width=4,
             height=5,
             decimals=0,
@@ -534,6 +553,7 @@ def learning() -> dict[str, Any]:
             description="Each project with an adapter of its own is rolled out on its own line (its own gate, "
             "canary, rollback and hold); its figures are in `onlinerl status` and its line's decisions stream.",
         ),
+        *_line_panels(),
     ]
     return dashboard(
         "onlinerl-learning",
@@ -542,7 +562,95 @@ def learning() -> dict[str, Any]:
         items,
         "onlinerl_feedback_shown_total",
         window=True,
+        line_metric="onlinerl_serving_policy_version",
     )
+
+
+REWARDS = "onlinerl_feedback_rewards_total"
+
+
+def _signed_reward(sign: str, other: str) -> str:
+    """One sign's reward rate per line, 0 where a line has none of it yet (so the difference exists)."""
+    return (
+        f"sum by (line) (rate({sel(REWARDS, sign=sign, line=LINE)}[$window])\n"
+        f"  or 0 * rate({sel(REWARDS, sign=other, line=LINE)}[$window]))"
+    )
+
+
+def _line_panels() -> list[Panel | Row]:
+    """Each policy line side by side (issue 39): what it serves, how its users accept it, its canary's share."""
+    recorded = "onlinerl_serving_rollouts_recorded_total"
+    return [
+        Row("Policy lines (the shared policy and each project's own adapter)"),
+        Panel(
+            "Served version per line",
+            "timeseries",
+            [
+                (
+                    "max by (line, role) ("
+                    f"{sel('onlinerl_serving_policy_version', role=f'~{STABLE}|{CANDIDATE}', line=LINE)}) >= 0",
+                    "{{line}} {{role}}",
+                )
+            ],
+            width=24,
+            stepped=True,
+            decimals=0,
+            description="Each line's stable and candidate version as the gateway routes them (a version counts on "
+            "its own line: acme's v3 is not the shared v3).",
+        ),
+        Panel(
+            "Accept rate per line",
+            "timeseries",
+            [(_accept_rate("line", line=LINE), "{{line}}")],
+            "percentunit",
+            min=0,
+            max=1,
+            description="accepted / shown suggestions of each line's users over $window, all its versions and arms.",
+        ),
+        Panel(
+            "Canary share per line",
+            "timeseries",
+            [
+                (f"max by (line) ({sel('onlinerl_serving_canary_share', line=LINE)})", "{{line}} table"),
+                (
+                    f"sum by (line) (rate({sel(recorded, arm=CANDIDATE, line=LINE)}[$window]))\n"
+                    f"/ sum by (line) (rate({sel(recorded, arm=f'~{STABLE}|{CANDIDATE}', line=LINE)}[$window]))",
+                    "{{line}} served",
+                ),
+            ],
+            "percentunit",
+            min=0,
+            max=1,
+            description="The share each line's policy table gives its candidate, and the share of its served "
+            "completions the candidate arm really had over $window.",
+        ),
+        Panel(
+            "Feedback outcomes per line",
+            "timeseries",
+            [
+                (
+                    f"sum by (line, outcome) (rate({sel('onlinerl_feedback_line_events_total', line=LINE)}[$window]))",
+                    "{{line}} {{outcome}}",
+                ),
+            ],
+            "ops",
+            description="Events that rated a rollout, by outcome, counted on the line that served the rollout.",
+        ),
+        Panel(
+            "Mean reward per line",
+            "timeseries",
+            [
+                (
+                    f"({_signed_reward('positive', 'negative')}\n- {_signed_reward('negative', 'positive')})\n"
+                    "/ sum by (line) (rate("
+                    f"{sel('onlinerl_feedback_line_events_total', outcome='accepted_for_training', line=LINE)}"
+                    "[$window]))",
+                    "{{line}}",
+                ),
+            ],
+            description="The mean reward of the samples each line sends to training over $window.",
+        ),
+    ]
 
 
 def feedback() -> dict[str, Any]:
@@ -618,8 +726,7 @@ def feedback() -> dict[str, Any]:
             "timeseries",
             [
                 (
-                    f"sum by (name, schema) (rate({sel('onlinerl_feedback_continue_events_total')}"
-                    "[$__rate_interval]))",
+                    f"sum by (name, schema) (rate({sel('onlinerl_feedback_continue_events_total')}[$__rate_interval]))",
                     "{{name}} {{schema}}",
                 )
             ],
@@ -722,15 +829,20 @@ def trainer() -> dict[str, Any]:
     def gauge(metric: str) -> str:
         return f"max({sel(metric)})"
 
+    def per_line(metric: str) -> str:
+        """A statistic of each line's last update (issue 39: one series per policy line)."""
+        return f"max by (line) ({sel(metric, line=LINE)})"
+
     items: list[Panel | Row] = [
         Row("Progress"),
         Panel(
             "Published policy version",
             "stat",
-            [(gauge("onlinerl_trainer_policy_version"), "")],
+            [(f"max({sel('onlinerl_trainer_policy_version', line=SHARED_LABEL)})", "")],
             width=6,
             height=5,
             decimals=0,
+            description="The shared policy's line (each project line's: Published version per line).",
         ),
         Panel(
             "Samples/s", "stat", [(f"sum(rate({sel('onlinerl_trainer_samples_total')}[5m]))", "")], width=6, height=5
@@ -752,41 +864,71 @@ def trainer() -> dict[str, Any]:
             height=5,
             thresholds=[(None, "green"), (900, "orange"), (3600, "red")],
         ),
+        Panel(
+            "Trainer updates per line",
+            "timeseries",
+            [
+                (
+                    f"sum by (line) (increase({sel('onlinerl_trainer_steps_total', line=LINE)}[$__rate_interval]))",
+                    "{{line}}",
+                )
+            ],
+            bars=True,
+            stacked=True,
+            decimals=0,
+            description="PPO updates of each policy line's adapter (the shared one and each project's own).",
+        ),
+        Panel(
+            "Published version per line",
+            "timeseries",
+            [(f"max by (line) ({sel('onlinerl_trainer_policy_version', line=LINE)})", "{{line}}")],
+            stepped=True,
+            decimals=0,
+            description="Each line's latest published version (a project line starts at v0, the shared stable).",
+        ),
         Row("PPO"),
-        Panel("Loss", "timeseries", [(gauge("onlinerl_trainer_loss"), "loss")], width=8),
+        Panel("Loss", "timeseries", [(per_line("onlinerl_trainer_loss"), "{{line}} loss")], width=8),
         Panel(
             "Clip fraction",
             "timeseries",
-            [(gauge("onlinerl_trainer_clip_fraction"), "clip fraction")],
+            [(per_line("onlinerl_trainer_clip_fraction"), "{{line}} clip fraction")],
             "percentunit",
             width=8,
             min=0,
             description="Share of tokens whose ratio hit the PPO clip: high means the policy moved far.",
         ),
-        Panel("Approx KL (behaviour → current)", "timeseries", [(gauge("onlinerl_trainer_approx_kl"), "KL")], width=8),
+        Panel(
+            "Approx KL (behaviour → current)",
+            "timeseries",
+            [(per_line("onlinerl_trainer_approx_kl"), "{{line}} KL")],
+            width=8,
+        ),
         Panel(
             "Reward and advantage",
             "timeseries",
             [
-                (gauge("onlinerl_trainer_reward_mean"), "reward mean"),
-                (gauge("onlinerl_trainer_advantage_mean"), "advantage mean"),
-                (gauge("onlinerl_trainer_advantage_std"), "advantage std"),
+                (per_line("onlinerl_trainer_reward_mean"), "{{line}} reward mean"),
+                (per_line("onlinerl_trainer_advantage_mean"), "{{line}} advantage mean"),
+                (per_line("onlinerl_trainer_advantage_std"), "{{line}} advantage std"),
             ],
             width=8,
         ),
         Panel(
             "Importance ratio",
             "timeseries",
-            [(gauge("onlinerl_trainer_ratio_mean"), "mean"), (gauge("onlinerl_trainer_ratio_max"), "max")],
+            [
+                (per_line("onlinerl_trainer_ratio_mean"), "{{line}} mean"),
+                (per_line("onlinerl_trainer_ratio_max"), "{{line}} max"),
+            ],
             width=8,
         ),
         Panel(
             "Entropy and grad norm",
             "timeseries",
             [
-                (gauge("onlinerl_trainer_entropy"), "entropy (last update)"),
-                (gauge("onlinerl_trainer_entropy_running"), "entropy (running: the band's)"),
-                (gauge("onlinerl_trainer_grad_norm"), "grad norm"),
+                (per_line("onlinerl_trainer_entropy"), "{{line}} entropy (last update)"),
+                (per_line("onlinerl_trainer_entropy_running"), "{{line}} entropy (running: the band's)"),
+                (per_line("onlinerl_trainer_grad_norm"), "{{line}} grad norm"),
             ],
             width=8,
         ),
@@ -794,9 +936,12 @@ def trainer() -> dict[str, Any]:
             "KL to base, rejections' share, entropy band",
             "timeseries",
             [
-                (gauge("onlinerl_trainer_kl_to_base"), "KL to base (adapter off)"),
-                (gauge("onlinerl_trainer_negative_advantage_share"), "share of samples with negative advantage"),
-                (gauge("onlinerl_trainer_entropy_out_of_band"), "entropy out of band"),
+                (per_line("onlinerl_trainer_kl_to_base"), "{{line}} KL to base (adapter off)"),
+                (
+                    per_line("onlinerl_trainer_negative_advantage_share"),
+                    "{{line}} share of samples with negative advantage",
+                ),
+                (per_line("onlinerl_trainer_entropy_out_of_band"), "{{line}} entropy out of band"),
             ],
             width=24,
             description="Rejections carry gradient when the negative-advantage share is above 0; the KL to the base "
@@ -922,6 +1067,7 @@ def trainer() -> dict[str, Any]:
         "PPO health: loss, clipping, KL, reward, throughput, step time and sample staleness.",
         items,
         "onlinerl_trainer_steps_total",
+        line_metric="onlinerl_trainer_steps_total",
     )
 
 
@@ -965,9 +1111,9 @@ def serving() -> dict[str, Any]:
             "Policy version timeline",
             "timeseries",
             [
-                (f"max by (role) ({sel('onlinerl_serving_policy_version')})", "gateway {{role}}"),
+                (f"max by (role) ({sel('onlinerl_serving_policy_version', line=SHARED_LABEL)})", "gateway {{role}}"),
                 (f"max({sel('onlinerl_reloader_serving_version')})", "reloader serving"),
-                (f"max({sel('onlinerl_trainer_policy_version')})", "trainer published"),
+                (f"max({sel('onlinerl_trainer_policy_version', line=SHARED_LABEL)})", "trainer published"),
             ],
             width=24,
             height=9,

@@ -385,11 +385,10 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing, redis_url: str, table: Tok
         metrics.events.labels(decision.status, tenant).inc()
         if decision.status == UNMATCHED or (decision.status == ACCEPTED and decision.reason):
             metrics.join_misses.labels(decision.reason).inc()
-        if "shown" in decision.stats:
-            labels = (str(decision.version), decision.arm)
-            metrics.shown.labels(*labels).inc()
-            if "accepted" in decision.stats:
-                metrics.accepted.labels(*labels).inc()
+        if decision.version is not None:  # it rated a rollout of its own or the shared line: counted on that line
+            metrics.rated(decision.line, decision.status, decision.version, decision.arm, decision.stats)
+            if decision.to_samples:
+                metrics.rewarded(decision.line, float(decision.details.get("reward", 0.0)))
         id_field = "sample_id" if decision.to_samples else "audit_id"
         details = decision.details if reveal else {k: v for k, v in decision.details.items() if k not in REVEALED_ONLY}
         out = {"status": decision.status, **body, id_field: result.entry_id, **details}

@@ -3,6 +3,12 @@
 With several worker processes (``feedback.workers`` > 1) every worker writes its values to files under
 ``$PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, chosen when that variable is set before the
 library is imported), and ``/metrics`` on any worker sums them, so one scrape sees the whole pod.
+
+Per policy line (issue 39): what an outcome counts for is counted on the line that served the rated rollout
+(``Decision.line``, the line whose stats it bumps): shown and accepted suggestions, events that rated a rollout by
+outcome, and the rewards sent to training. The ``line`` label is ``shared`` or the project
+(``onlinerl.metric_lines``: only projects with an adapter of their own have a line; at most ``MAX_NAMED_LINES`` named
+per worker, later ones under ``other``).
 """
 
 from __future__ import annotations
@@ -12,14 +18,17 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from onlinerl.metric_lines import LineLabels
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class FeedbackMetrics:
     """One registry per app instance (several apps in one test process must not share counters)."""
 
-    def __init__(self) -> None:
+    def __init__(self, line_labels: LineLabels | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.line = line_labels or LineLabels()  # line -> its `line` label value, capped
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         r = self.registry
         # Gauges: every worker refreshes the same backlog figures, so the pod's value is the latest one written.
@@ -38,14 +47,27 @@ class FeedbackMetrics:
         )
         self.shown = Counter(
             "onlinerl_feedback_shown_total",
-            "Rated, server-produced, non-empty suggestions.",
-            ["version", "arm"],
+            "Rated, server-produced, non-empty suggestions, by the version, arm and policy line that served them.",
+            ["version", "arm", "line"],
             registry=r,
         )
         self.accepted = Counter(
             "onlinerl_feedback_accepted_total",
             "Accepted suggestions (rate against shown).",
-            ["version", "arm"],
+            ["version", "arm", "line"],
+            registry=r,
+        )
+        self.line_events = Counter(
+            "onlinerl_feedback_line_events_total",
+            "Events that rated a rollout, by outcome and the policy line that served it.",
+            ["outcome", "line"],
+            registry=r,
+        )
+        self.rewards = Counter(
+            "onlinerl_feedback_rewards_total",
+            "Rewards of the samples sent to training per policy line, positive and negative parts apart (a counter "
+            "cannot go down): mean reward = (positive - negative) / accepted_for_training line events.",
+            ["line", "sign"],
             registry=r,
         )
         self.join_misses = Counter(
@@ -97,6 +119,20 @@ class FeedbackMetrics:
             registry=r,
             multiprocess_mode=gauge_mode,
         )
+
+    def rated(self, line: str, outcome: str, version: int | None, arm: str, stats: tuple[str, ...]) -> None:
+        """One event that rated a rollout ``line`` served: its outcome, and the suggestion counters it bumped."""
+        label = self.line(line)
+        self.line_events.labels(outcome, label).inc()
+        if "shown" in stats:
+            self.shown.labels(str(version), arm, label).inc()
+            if "accepted" in stats:
+                self.accepted.labels(str(version), arm, label).inc()
+
+    def rewarded(self, line: str, reward: float) -> None:
+        """One sample sent to training with ``reward``, on ``line``."""
+        if reward:
+            self.rewards.labels(self.line(line), "positive" if reward > 0 else "negative").inc(abs(reward))
 
     def exposition(self) -> bytes:
         """The text for ``/metrics``: this process's registry, or every worker's values in multiprocess mode."""

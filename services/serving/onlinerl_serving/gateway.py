@@ -441,7 +441,7 @@ class Gateway:
         """A Redis failure costs the record (counted, logged), never the completion."""
         try:
             self.rollouts.acknowledged(ctx.tenant, await acknowledged)  # counts and logs the tenant's evictions
-            self.metrics.recorded.labels(str(ctx.route.version), ctx.route.arm).inc()
+            self.metrics.served(ctx.route.version, ctx.route.arm, ctx.line)
         except Exception as exc:
             log.error("rollout record %s not stored: %s", ctx.rollout_id, exc)
             self.metrics.record_errors.inc()
@@ -671,11 +671,9 @@ def create_app(cfg: OnlineRLConfig, keyring: KeyRing | None = None, engine: Engi
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        m, p = gw.metrics, gw.state.policy
+        m = gw.metrics
         m.engine_up.set(1 if gw.state.engine_up else 0)
-        m.policy_version.labels("stable").set(p.stable)
-        m.policy_version.labels("candidate").set(-1 if p.candidate is None else p.candidate)
-        m.policy_version.labels("pinned").set(-1 if p.pinned is None else p.pinned)
+        m.observe_tables(gw.state.policy, {p: line.table for p, line in gw.state.lines.items()})
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def engine_metrics(request: Request) -> Response:

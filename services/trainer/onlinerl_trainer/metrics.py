@@ -1,6 +1,11 @@
 """The trainer's Prometheus metrics (names are a contract: docs/architecture.md) and its /metrics + /healthz server.
 
 A private registry, so several trainers in one test process do not collide.
+
+Per policy line (issue 39): the last update's statistics (loss, KL, clip fraction, ...), the optimizer steps and the
+published version carry a ``line`` label (``onlinerl.metric_lines``: ``shared`` or the project; a line exists only
+for a project with an adapter of its own, and the label names at most ``MAX_NAMED_LINES`` of them per process, later
+ones counting their steps under ``other``). The shared line's series exist from the start.
 """
 
 from __future__ import annotations
@@ -8,6 +13,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from onlinerl.httpserve import Health, MetricsHTTPServer, always_healthy
+from onlinerl.keys import SHARED_LINE
+from onlinerl.metric_lines import OTHER_LABEL, SHARED_LABEL, LineLabels
 
 # gauge name suffix -> key in the update statistics
 STAT_GAUGES = {
@@ -41,15 +48,17 @@ DROP_REASONS = ("too_long", "already_trained")
 
 
 class TrainerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, line_labels: LineLabels | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.line = line_labels or LineLabels()  # line -> its `line` label value, capped
         r = self.registry
         self.gauges = {
-            k: Gauge(f"onlinerl_trainer_{k}", f"last step's {k.replace('_', ' ')}", registry=r) for k in STAT_GAUGES
+            k: Gauge(f"onlinerl_trainer_{k}", f"the line's last update's {k.replace('_', ' ')}", ["line"], registry=r)
+            for k in STAT_GAUGES
         }
         self.samples = Counter("onlinerl_trainer_samples", "samples trained", registry=r)
         self.tokens = Counter("onlinerl_trainer_tokens", "completion tokens trained", registry=r)
-        self.steps = Counter("onlinerl_trainer_steps", "optimizer steps taken", registry=r)
+        self.steps = Counter("onlinerl_trainer_steps", "optimizer steps taken, per policy line", ["line"], registry=r)
         self.skipped = Counter("onlinerl_trainer_skipped_steps", "steps skipped by a guard", ["reason"], registry=r)
         self.stale = Counter(
             "onlinerl_trainer_stale_samples", "samples over the staleness limit", ["action"], registry=r
@@ -95,7 +104,9 @@ class TrainerMetrics:
             buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
             registry=r,
         )
-        self.version = Gauge("onlinerl_trainer_policy_version", "latest published policy version", registry=r)
+        self.version = Gauge(
+            "onlinerl_trainer_policy_version", "latest published policy version of each line", ["line"], registry=r
+        )
         self.last_checkpoint = Gauge(
             "onlinerl_trainer_last_checkpoint_timestamp_seconds",
             "unix time of the last published checkpoint",
@@ -124,6 +135,10 @@ class TrainerMetrics:
             "samples whose line names another project's adapter: trained on their tenant's lines only",
             registry=r,
         )
+        self.steps.labels(SHARED_LABEL)
+        self.version.labels(SHARED_LABEL)
+        for gauge in self.gauges.values():
+            gauge.labels(SHARED_LABEL)
         for reason in ("nonfinite_loss", "nonfinite_grad", "nonfinite_weights"):
             self.skipped.labels(reason)
         for action in ("dropped", "downweighted"):
@@ -133,10 +148,22 @@ class TrainerMetrics:
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
 
-    def record_stats(self, stats: dict[str, float]) -> None:
+    def record_stats(self, stats: dict[str, float], line: str = SHARED_LINE) -> None:
+        """``line``'s last update: its statistics (not exported for a line over the label cap: a loss of "some
+        other line" means nothing) and one step."""
+        label = self.line(line)
+        self.steps.labels(label).inc()
+        if label == OTHER_LABEL:
+            return
         for name, key in STAT_GAUGES.items():
             if key in stats:
-                self.gauges[name].set(stats[key])
+                self.gauges[name].labels(label).set(stats[key])
+
+    def published(self, version: int, line: str = SHARED_LINE) -> None:
+        """``line`` is on ``version`` now (published, resumed or rebased by a rollback)."""
+        label = self.line(line)
+        if label != OTHER_LABEL:
+            self.version.labels(label).set(version)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

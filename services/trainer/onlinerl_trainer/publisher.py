@@ -173,8 +173,7 @@ class Publisher:
                 raise
         self.settle(ids)
         self.unannounced = None
-        if not self.line:
-            self.metrics.version.set(version)
+        self.metrics.published(version, self.line)
         self.metrics.last_checkpoint.set(time.time())
         pruned = self.store.prune(self.tcfg.checkpoint.keep, self.protected_versions())
         if pruned:

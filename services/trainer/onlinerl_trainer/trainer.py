@@ -246,6 +246,7 @@ class Trainer:
     def _resume(self, line: TrainLine, latest: int) -> None:
         """``line`` continues from its ``v{latest}`` (its weights are loaded already): step, lineage, optimizer."""
         line.version = latest
+        self.metrics.published(latest, line.name)
         manifest = line.store.manifest(latest)
         line.step = manifest.step
         line.rollback_at = manifest.rollback_at
@@ -293,6 +294,7 @@ class Trainer:
         line = self.lines[project] = TrainLine(project, publisher)
         self.traffic.forget(project)
         self.metrics.lines.set(len(self.lines))
+        self.metrics.published(line.version, project)
         return line
 
     def open_line(self, project: str) -> bool:
@@ -332,7 +334,8 @@ class Trainer:
         corrupt = ",".join(str(v) for v in sorted(self.corrupt_versions))
         trainer_status.write_status(self.client, self.keys, {"corrupt_versions": corrupt})
         self._status("waiting")
-        self.metrics.version.set(self.version)
+        for line in self.lines.values():
+            self.metrics.published(line.version, line.name)
         return rec
 
     # --- routing: which lines a sample trains ------------------------------------------------------------------------
@@ -547,8 +550,7 @@ class Trainer:
         trainer_status.write_status(
             self.client, self.keys, {f"rebase{suffix}": note, f"version{suffix}": str(line.version)}
         )
-        if not line.name:
-            self.metrics.version.set(line.version)
+        self.metrics.published(line.version, line.name)
         return True
 
     def _update(self, batch: Batch, advantages: torch.Tensor) -> UpdateResult:
@@ -557,10 +559,9 @@ class Trainer:
 
     def _record(self, stats: dict[str, float], tokens: int, elapsed: float, line: TrainLine) -> None:
         m = self.metrics
-        m.record_stats(stats)
+        m.record_stats(stats, line.name)  # and the line's step
         m.samples.inc(stats["samples"])
         m.tokens.inc(tokens)
-        m.steps.inc()
         m.step_seconds.observe(elapsed)
         m.samples_per_second.set(stats["samples"] / max(elapsed, 1e-9))
         m.tokens_per_second.set(tokens / max(elapsed, 1e-9))

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from onlinerl.auth import write_keys_file
 from onlinerl.keys import Keys
@@ -263,10 +264,12 @@ def test_a_lines_first_canary_reaches_its_users_and_counts_both_arms_on_the_line
     s.r.hset(kd.policy, mapping={"stable": 0, "candidate": 1, "canary_share": 0.5, "split": "request"})
     wait_for(lambda: "delta" in s.ready()["project_lines"], 90, what="delta's v1 loaded and its canary routed")
     got: dict[str, tuple[str, int, str]] = {}
+    arms: dict[tuple[str, str], float] = {}  # (arm, version) -> completions served to delta's key here
     for _ in range(60):
         resp, rec = s.complete(DELTA)
         assert resp.status_code == 200, resp.text
         got[rec.arm] = (rec.line, rec.policy_version, rec.served_model)
+        arms[(rec.arm, str(rec.policy_version))] = arms.get((rec.arm, str(rec.policy_version)), 0.0) + 1
         if len(got) == 2:
             break
     assert got == {
@@ -276,6 +279,30 @@ def test_a_lines_first_canary_reaches_its_users_and_counts_both_arms_on_the_line
     assert (
         int(s.r.hget(kd.stats(0, "stable"), "served")) >= 1 and int(s.r.hget(kd.stats(1, "candidate"), "served")) >= 1
     )
+
+    # the gateway's Prometheus figures of delta's line (only this test serves delta): each completion on its arm and
+    # version, under line="delta"; the line's versions and canary share as its table says (onlinerl.metric_lines)
+    def delta_series() -> dict[str, dict[tuple[str, ...], float]]:
+        on_line: dict[str, dict[tuple[str, ...], float]] = {}
+        for family in text_string_to_metric_families(httpx.get(f"{s.gw_url}/metrics", timeout=5).text):
+            for m in family.samples:
+                if m.labels.get("line") == "delta":
+                    key = tuple(m.labels.get(k, "") for k in ("arm", "version", "role"))
+                    on_line.setdefault(m.name, {})[key] = m.value
+        return on_line
+
+    def served(on_line: dict[str, dict[tuple[str, ...], float]]) -> dict[tuple[str, str], float]:
+        return {(arm, v): n for (arm, v, _), n in on_line.get("onlinerl_serving_rollouts_recorded_total", {}).items()}
+
+    # a completion is counted once its record is acknowledged, just after the client has it: waited for
+    wait_for(lambda: served(delta_series()) == arms, 10, what="delta's completions counted on its line")
+    on_line = delta_series()
+    assert on_line["onlinerl_serving_policy_version"] == {
+        ("", "", "stable"): 0,
+        ("", "", "candidate"): 1,
+        ("", "", "pinned"): -1,
+    }
+    assert on_line["onlinerl_serving_canary_share"] == {("", "", ""): 0.5}
 
 
 @pytest.mark.vllm

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup run test test-fast bench gpu-proof-wheels lint chart images clean
+.PHONY: setup run test test-fast bench gpu-proof-wheels lint chart images images-engine-gpu clean
 
 # Re-runs only when pyproject.toml changes: a second `make test` starts testing at once.
 $(STAMP): pyproject.toml
@@ -84,6 +84,13 @@ images:
 	$(BUILD_IMAGE) -f services/trainer/Dockerfile -t $(IMAGE_REGISTRY)/onlinerl-trainer:$(IMAGE_TAG) .
 	$(BUILD_IMAGE) -f services/rollout/Dockerfile -t $(IMAGE_REGISTRY)/onlinerl-rollout:$(IMAGE_TAG) .
 	@echo "built 6 images tagged $(IMAGE_REGISTRY)/onlinerl-*:$(IMAGE_TAG)"
+
+# vLLM on GPUs with the gateway inside it (serving.gatewayMode: inProcess with serving.gpus above 0; set the job's
+# images.vllm to this tag). Not part of `images`: it pulls upstream vLLM's CUDA image (tens of GB), which the default
+# sidecar mode runs as it is.
+images-engine-gpu:
+	@if [ -z "$(CONTAINER_TOOL)" ]; then echo "make images-engine-gpu: neither docker nor podman is installed: install one, or set CONTAINER_TOOL" >&2; exit 1; fi
+	$(BUILD_IMAGE) -f services/serving/Dockerfile.engine-gpu -t $(IMAGE_REGISTRY)/onlinerl-engine-gpu:$(IMAGE_TAG) .
 
 clean:
 	rm -rf $(VENV) .onlinerl

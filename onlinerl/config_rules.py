@@ -67,6 +67,23 @@ def _cel_string_list(values: Iterable[str]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
 
+# Upstream vLLM's OpenAI image (images.vllm's default, at any tag or digest): it has no onlinerl serving package, so
+# vLLM there cannot load the in-process gateway (serving.gatewayMode: inProcess, onlinerl/vllm_flags.py).
+UPSTREAM_VLLM_REPOSITORIES = ("vllm/vllm-openai", "docker.io/vllm/vllm-openai")
+ENGINE_GPU_IMAGE = "ghcr.io/onlinerl/onlinerl-engine-gpu:0.1.0"  # what `make images-engine-gpu` tags by default
+
+
+def is_upstream_vllm_image(image: str) -> bool:
+    return any(image == r or image.startswith((f"{r}:", f"{r}@")) for r in UPSTREAM_VLLM_REPOSITORIES)
+
+
+def _cel_is_upstream_vllm_image(field: str) -> str:
+    return " || ".join(
+        f"{field} == '{r}' || {field}.startsWith('{r}:') || {field}.startsWith('{r}@')"
+        for r in UPSTREAM_VLLM_REPOSITORIES
+    )
+
+
 # `auto` detects the template from the tokenizer; any other value must name a template or an alias (onlinerl/fim.py).
 FIM_TEMPLATE_NAMES: tuple[str, ...] = (
     "auto",
@@ -192,6 +209,22 @@ RULES: tuple[Rule, ...] = (
         cel="self.apiKeysSecret != '' || self.allowAnonymous",
         message="auth.apiKeysSecret must name a Secret with key keys.yaml (or set auth.allowAnonymous: true)",
         holds=lambda a: a["apiKeysSecret"] != "" or a["allowAnonymous"],
+        scope="cluster",
+    ),
+    Rule(
+        at="",
+        cel="self.serving.gatewayMode != 'inProcess' || self.serving.gpus == 0 || "
+        f"!({_cel_is_upstream_vllm_image('self.images.vllm')})",
+        message="serving.gatewayMode: inProcess runs the gateway inside vLLM's process, and upstream vLLM's image "
+        "(images.vllm, used when serving.gpus is above 0) has no onlinerl serving package: build "
+        "services/serving/Dockerfile.engine-gpu (make images-engine-gpu) and set images.vllm to it, e.g. "
+        f"{ENGINE_GPU_IMAGE}, or set serving.gatewayMode: sidecar",
+        holds=lambda s: (
+            s["serving"]["gatewayMode"] != "inProcess"
+            or s["serving"]["gpus"] == 0
+            or not is_upstream_vllm_image(s["images"]["vllm"])
+        ),
+        shows=("serving.gatewayMode", "serving.gpus", "images.vllm"),
         scope="cluster",
     ),
 )

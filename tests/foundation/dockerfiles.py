@@ -173,10 +173,11 @@ def make_env(path: str | None = None) -> dict[str, str]:
     return env if path is None else {**env, "PATH": path}
 
 
-def make_images(*make_args: str) -> dict[str, Path]:
-    """`make -n images`: image reference -> the Dockerfile it is built from (one `-t` per build line)."""
+def make_images(*make_args: str, target: str = "images") -> dict[str, Path]:
+    """`make -n images` (or another ``target``): image reference -> the Dockerfile it is built from (one `-t` per
+    build line)."""
     out = subprocess.run(
-        ["make", "-n", "images", *make_args],
+        ["make", "-n", target, *make_args],
         cwd=ROOT,
         env=make_env(),
         capture_output=True,

@@ -19,7 +19,7 @@ import yaml
 
 from onlinerl.cli import main
 from onlinerl.config import from_mapping
-from onlinerl.config_rules import FIM_TEMPLATE_NAMES, RULES, project_lines_refusals
+from onlinerl.config_rules import ENGINE_GPU_IMAGE, FIM_TEMPLATE_NAMES, RULES, project_lines_refusals
 from onlinerl_operator.spec import SpecError, parse_spec
 from tests.crd_schema import api_server_defaults, spec_schema
 
@@ -219,3 +219,57 @@ def test_the_project_line_rules_alone_give_the_crds_project_messages(name: str) 
     assert crd and len(mine) == len(crd)
     assert all(got.startswith(message + " (got projects.adapters=") for got, message in zip(mine, crd, strict=True))
     assert all("projects.adapters: off" in m for m in mine)  # each says how to turn it off, too
+
+
+GPU_IN_PROCESS = {"serving": {"gpus": 1, "gatewayMode": "inProcess"}}
+IN_PROCESS_IMAGES = {  # images.vllm -> refused with serving.gpus 1 and gatewayMode inProcess
+    "vllm/vllm-openai:v0.32.0": True,  # the default
+    "vllm/vllm-openai:latest": True,  # upstream at any tag or digest lacks our package
+    "vllm/vllm-openai@sha256:" + "0" * 64: True,
+    "docker.io/vllm/vllm-openai:v0.33.0": True,
+    ENGINE_GPU_IMAGE: False,
+    "registry.example.com/team/onlinerl-engine-gpu:dev": False,
+    "registry.example.com/vllm/vllm-openai:v0.32.0": False,  # a mirror may hold anything: not refused by name
+}
+
+
+@pytest.mark.parametrize("image", list(IN_PROCESS_IMAGES))
+def test_in_process_on_gpus_needs_an_engine_image_with_our_package(image: str, tmp_path, capsys) -> None:
+    """serving.gatewayMode inProcess on GPUs runs the gateway in images.vllm: upstream vLLM's image cannot import it.
+    The CRD, `onlinerl config check` of a manifest and the operator refuse it alike, with the message that says what
+    to set and the values it got; a local config (no images) passes, as does sidecar mode or a CPU job (vllmCpu)."""
+    spec = _deep(KEYS, {**GPU_IN_PROCESS, "images": {"vllm": image}})
+    [rule] = [r for r in RULES if "gatewayMode" in r.cel]
+    crd = crd_refusals(spec)
+    code, printed = check(tmp_path, manifest(spec), capsys)
+    if IN_PROCESS_IMAGES[image]:
+        assert crd == [rule.message]
+        assert code == 2 and rule.message in printed
+        got = f"(got serving.gatewayMode='inProcess', serving.gpus=1, images.vllm={image!r})"
+        assert f"{rule.message} {got}" in printed
+        assert "make images-engine-gpu" in rule.message and "serving.gatewayMode: sidecar" in rule.message
+        assert f"set images.vllm to it, e.g. {ENGINE_GPU_IMAGE}" in rule.message
+        with pytest.raises(SpecError, match="inProcess runs the gateway inside vLLM's process"):
+            parse_spec("demo", spec)
+    else:
+        assert crd == [] and (code, printed) == (0, "configuration is valid\n")
+        parse_spec("demo", spec)
+    assert check(tmp_path, {**GPU_IN_PROCESS, "images": {"vllm": image}}, capsys)[0] == 0  # a local config
+    for fine in (_deep(spec, {"serving": {"gatewayMode": "sidecar"}}), _deep(spec, {"serving": {"gpus": 0}})):
+        assert crd_refusals(fine) == [] and parse_spec("demo", fine)
+    # the CEL and the Python predicate agree on this value (the table test above covers the other rules)
+    schema = crd_spec_schema()
+    by_cel = cel.evaluate(rule.cel, {"self": api_server_defaults(schema, spec)})
+    assert by_cel is rule.holds(from_mapping(spec).dump()) is (not IN_PROCESS_IMAGES[image])
+
+
+def test_the_engine_gpu_image_the_rule_names_is_what_make_builds() -> None:
+    """The message's example tag is `make images-engine-gpu`'s default, and the rule's upstream default is
+    images.vllm's."""
+    from onlinerl.config import ImagesConfig
+    from onlinerl.config_rules import is_upstream_vllm_image
+    from tests.foundation.dockerfiles import make_images
+
+    assert list(make_images(target="images-engine-gpu")) == [ENGINE_GPU_IMAGE]
+    assert is_upstream_vllm_image(ImagesConfig().vllm)
+    assert not is_upstream_vllm_image(ImagesConfig().vllm_cpu) and not is_upstream_vllm_image("vllm/vllm-openai-x:1")

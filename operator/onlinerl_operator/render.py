@@ -3,7 +3,9 @@
 No I/O and no clock, so the same spec always renders the same objects; the reconciler only creates or patches them.
 Ports, paths and entry points follow docs/architecture.md; each pod reads the component config from the ConfigMap via
 ``$ONLINERL_CONFIG``. vLLM binds 127.0.0.1:8001 inside the serving pod: only the gateway port leaves the pod, and a
-NetworkPolicy per component admits only its declared ports (Redis: only this job's pods and the operator).
+NetworkPolicy per component admits only its declared ports (Redis: only this job's pods and the operator). The gateway
+is a container of its own (``serving.gatewayMode: sidecar``) or runs inside the vllm container's process
+(``inProcess``, issue 40: :func:`serving_containers`); either way its port is the pod's ``http`` port.
 
 The in-cluster Redis has one ACL user per component (onlinerl.dataplane.acl, generated from the data-plane contract;
 ``default`` off). Their passwords live in a Secret (``redis.passwordSecret``, or ``<job>-redis-users`` that the
@@ -32,6 +34,7 @@ from onlinerl.vllm_flags import (
     BEHAVIOUR_LOGPROBS_ARGS,
     CPU_IN_PROCESS_EXECUTOR_ARGS,
     CPU_IN_PROCESS_EXECUTOR_ENV,
+    gateway_args,
     lora_args,
 )
 from onlinerl_operator import constants as c
@@ -339,6 +342,7 @@ def vllm_args(ctx: RenderContext) -> list[str]:
         cfg.model.dtype,
     ]
     args += lora_args(cfg)  # the same LoRA flags as the local stack (onlinerl/vllm_flags.py)
+    args += gateway_args(cfg)  # inProcess: the gateway as vLLM's middleware, as the local stack starts it
     if cfg.serving.gpus > 1:
         args += ["--tensor-parallel-size", str(cfg.serving.gpus)]
     if cfg.serving.gpus == 0:
@@ -359,6 +363,8 @@ def _engine_health_probe(period: int, failures: int) -> dict[str, Any]:
 
 
 def vllm_container(ctx: RenderContext) -> dict[str, Any]:
+    """vLLM's OpenAI server on loopback; in ``inProcess`` mode also the gateway, which its middleware starts on
+    ``serving.port`` (:func:`with_gateway_inside`)."""
     cfg = ctx.cfg
     gpu = cfg.serving.gpus > 0
     env = [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"}]
@@ -372,7 +378,7 @@ def vllm_container(ctx: RenderContext) -> dict[str, Any]:
         {"name": "dshm", "mountPath": "/dev/shm"},
         *model_mounts(ctx),
     ]
-    return {
+    container = {
         "name": "vllm",
         "image": cfg.images.vllm if gpu else cfg.images.vllm_cpu,
         "imagePullPolicy": cfg.images.pull_policy,
@@ -388,23 +394,79 @@ def vllm_container(ctx: RenderContext) -> dict[str, Any]:
         "startupProbe": _engine_health_probe(period=10, failures=180),
         "livenessProbe": _engine_health_probe(period=30, failures=3),
     }
+    return with_gateway_inside(ctx, container) if in_process_gateway(ctx) else container
+
+
+def in_process_gateway(ctx: RenderContext) -> bool:
+    """``serving.gatewayMode: inProcess``: the gateway runs in the vllm container's process, no container of its
+    own (issue 40: no second hop between the gateway and vLLM)."""
+    return ctx.cfg.serving.gateway_mode == "inProcess"
+
+
+def _gateway_port(ctx: RenderContext) -> dict[str, Any]:
+    """The pod's ``http`` port (the Service's target, the monitors' and the NetworkPolicy's), whichever container
+    runs the gateway."""
+    return {"name": "http", "containerPort": ctx.cfg.serving.port, "protocol": "TCP"}
+
+
+def _gateway_probes() -> dict[str, Any]:
+    """Ready once the gateway reaches vLLM and Redis (/readyz); alive while its event loop answers (/healthz)."""
+    return {
+        "readinessProbe": http_probe("/readyz", "http", period=5),
+        "livenessProbe": http_probe("/healthz", "http", period=10, initial=5),
+    }
+
+
+def merged_env(*groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups' variables in order, each name once (the first group that sets it wins): a ``$(VAR)`` reference
+    still follows the variable it names."""
+    seen: set[str] = set()
+    out = []
+    for group in groups:
+        for var in group:
+            if var["name"] not in seen:
+                seen.add(var["name"])
+                out.append(var)
+    return out
+
+
+def with_gateway_inside(ctx: RenderContext, vllm: dict[str, Any]) -> dict[str, Any]:
+    """The vllm container carrying the gateway (``inProcess``): what the gateway container had that its code needs
+    in vLLM's process (its env: config path and its own Redis user; the config and API-keys mounts), the ``http``
+    port, and the gateway's probes in place of vLLM's liveness. vLLM's startup probe stays: the gateway listens only
+    once vLLM's app has started (vLLM's ASGI lifespan), and then its /healthz answers from vLLM's own event loop.
+    vLLM itself stays on 127.0.0.1 (its admin routes never leave the pod). The process now faces clients, so it gets
+    no privilege escalation, as the trainer's multi-GPU processes (capabilities are not dropped: vLLM's GPU workers
+    share CUDA memory between processes, which this was not tried without)."""
+    return {
+        **vllm,
+        "ports": [_gateway_port(ctx)],
+        "env": merged_env(vllm["env"], onlinerl_env(ctx, "gateway")),
+        "volumeMounts": [*vllm["volumeMounts"], *_config_mounts(ctx)],
+        **_gateway_probes(),
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
 
 
 def gateway_container(ctx: RenderContext) -> dict[str, Any]:
-    port = ctx.cfg.serving.port
     return {
         "name": "gateway",
         "image": ctx.cfg.images.serving,
         "imagePullPolicy": ctx.cfg.images.pull_policy,
         "command": ["python", "-m", "onlinerl_serving.gateway"],
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": [_gateway_port(ctx)],
         "env": onlinerl_env(ctx, "gateway"),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}},
         "volumeMounts": _config_mounts(ctx),
-        "readinessProbe": http_probe("/readyz", "http", period=5),
-        "livenessProbe": http_probe("/healthz", "http", period=10, initial=5),
+        **_gateway_probes(),
         "securityContext": HARDENED,
     }
+
+
+def serving_containers(ctx: RenderContext) -> list[dict[str, Any]]:
+    """vLLM, the gateway (a container of its own unless it runs inside vLLM's process) and the reloader."""
+    gateway = [] if in_process_gateway(ctx) else [gateway_container(ctx)]
+    return [vllm_container(ctx), *gateway, reloader_container(ctx)]
 
 
 def reloader_container(ctx: RenderContext) -> dict[str, Any]:
@@ -456,7 +518,7 @@ def serving_deployment(ctx: RenderContext) -> Manifest:
     ]
     pod: dict[str, Any] = {
         "initContainers": model_init_containers(ctx),
-        "containers": [vllm_container(ctx), gateway_container(ctx), reloader_container(ctx)],
+        "containers": serving_containers(ctx),
         "volumes": volumes,
         # In-flight streams finish before the pod goes (serving.drainTimeoutSeconds).
         "terminationGracePeriodSeconds": int(ctx.cfg.serving.drain_timeout_seconds) + 10,
@@ -929,8 +991,9 @@ def network_policy(ctx: RenderContext, component: str, ports: list[int], sources
 
 
 def network_policies(ctx: RenderContext) -> list[Manifest]:
-    """Every pod admits only its declared ports. The serving pod: the gateway and the reloader's metrics, never
-    vLLM's port (vLLM binds 127.0.0.1 as well). Redis: only this job's components and the operator (any namespace)."""
+    """Every pod admits only its declared ports. The serving pod: the gateway (its own container's ``http`` port,
+    or the vllm container's in inProcess mode) and the reloader's metrics, never vLLM's port (vLLM binds 127.0.0.1 as
+    well). Redis: only this job's components and the operator (any namespace)."""
     cfg = ctx.cfg
     out = [
         network_policy(ctx, "serving", [cfg.serving.port, c.RELOADER_PORT], None),

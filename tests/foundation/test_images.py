@@ -253,6 +253,8 @@ def test_the_gpu_engine_image_runs_vllm_with_the_gateway_inside(tmp_path: Path) 
 
     image = df.parse(dockerfile)
     assert [str(r) for r in image.installed_alone] == ["onlinerl"]  # our code, which upstream vLLM's image lacks
+    allowed = {r[1:] for r in (ROOT / ".dockerignore").read_text().splitlines() if r.startswith("!")}
+    assert set(image.copied) <= allowed, "the build context (.dockerignore) leaves out what it copies"
     pins = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
     upstream = _upstream_vllm_distributions()
     for req in image.installed:

@@ -181,11 +181,23 @@ def test_in_process_on_gpus_with_upstream_vllm_is_refused_by_the_operator() -> N
     assert "images.vllm='vllm/vllm-openai:v0.32.0'" in message
 
 
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def _autoscaled(provider: str) -> dict[str, Any]:
+    """The demo with its serving autoscaled on the gateway's in-flight requests (KEDA through Prometheus, or an HPA
+    Pods metric through prometheus-adapter)."""
+    autoscale = {"enabled": True, "maxReplicas": 3, "metric": "load", "provider": provider}
+    scaling = {"prometheusUrl": "http://prometheus.monitoring:9090", "serving": {"autoscale": autoscale}}
+    return {**EXAMPLES["demo"], "scaling": scaling}
+
+
+SCALED = {"demo-keda": _autoscaled("keda"), "demo-hpa": _autoscaled("hpa")}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES) + sorted(SCALED))
 def test_only_the_serving_pod_changes_with_the_mode(example: str) -> None:
     """Switching the mode changes the serving Deployment (a new config hash rolls its pods) and the ConfigMap, and
-    nothing else: Services, policies, monitors, autoscalers and budgets read the same in both modes."""
-    spec = EXAMPLES[example]
+    nothing else: Services, policies, monitors, autoscalers (their metric is the gateway's, scraped on ``http``) and
+    budgets read the same in both modes."""
+    spec = {**EXAMPLES, **SCALED}[example]
     inproc = with_mode(spec, "inProcess")
     if spec.get("serving", {}).get("gpus", 0) > 0:
         inproc["images"] = {**inproc.get("images", {}), "vllm": ENGINE_GPU_IMAGE}
@@ -196,6 +208,13 @@ def test_only_the_serving_pod_changes_with_the_mode(example: str) -> None:
     a = render(example, sidecar, monitoring_api=True, apis=apis)
     b = render(example, inproc, monitoring_api=True, apis=apis)
     assert set(a) == set(b)
+    if example in SCALED:  # not vacuous: the autoscaler is there, on the gateway's metric
+        scaler = (
+            a[("ScaledObject", f"{example}-serving")]
+            if example.endswith("keda")
+            else a[("HorizontalPodAutoscaler", f"{example}-serving")]
+        )
+        assert "onlinerl_serving_inflight_requests" in str(scaler["spec"])
     serving, config = ("Deployment", f"{example}-serving"), ("ConfigMap", f"{example}-config")
     assert a[serving] != b[serving] and a[config] != b[config]
     for key in set(a) - {serving, config}:  # other pods roll on any config change (the hash), nothing else moves

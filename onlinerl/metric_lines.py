@@ -58,3 +58,10 @@ class LineLabels:
     def named(self, line: str) -> bool:
         """Whether ``line`` has (or now gets) a label of its own: False for a line counted under ``other``."""
         return self(line) != OTHER_LABEL
+
+    def known(self, line: str) -> str | None:
+        """``line``'s label if it already has one of its own, else None; never names a line (for dropping a line's
+        series: an idle line must not take a place under the cap)."""
+        if line == SHARED_LINE:
+            return SHARED_LABEL
+        return project_label(line) if line in self._named else None

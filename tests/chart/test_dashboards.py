@@ -40,6 +40,7 @@ REQUIRED_PANELS = {
         "Served version per line",
         "Accept rate per line",
         "Canary share per line",
+        "Canary verdict per line",
         "Feedback outcomes per line",
         "Mean reward per line",
     ],

@@ -10,6 +10,10 @@ What each test proves:
 - the feedback service's real app (ASGI, lifespan, session valkey, the real tokenizer table): an outcome counts its
   shown/accepted, its outcome and its reward on the line that served the rated record, a forged record of another
   project's line counts on no line;
+- the rollout's LinesController with simulated users on the session valkey: each line's running canary exports its
+  P(candidate better) and its arms' accept rates (the shared line's agreeing with its own series, a project's with its
+  counters), an idle line takes no place under the cap, a canary over the cap is not exported, and a line's series go
+  when its canary ends;
 - the real Trainer on the tiny model: one update per line counts on that line (steps, loss, KL, clip), the published
   version is each line's own, and with the cap at one project line the next line's steps count under ``other`` and
   its statistics and version are not exported.
@@ -22,23 +26,28 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from onlinerl.auth import KeyRing
-from onlinerl.config import from_mapping
+from onlinerl.config import ProjectsConfig, from_mapping
 from onlinerl.keys import Keys
 from onlinerl.metric_lines import OTHER_LABEL, SHARED_LABEL, LineLabels, project_label
 from onlinerl.schemas import PolicyTable
 from onlinerl.tokens import load_token_table
 from onlinerl_feedback.app import create_app as feedback_app
+from onlinerl_rollout.lines import LinesController
 from onlinerl_serving.gateway import Gateway
 from onlinerl_serving.gateway import create_app as gateway_app
 from onlinerl_serving.state import parse_models, routable
 from onlinerl_trainer.metrics import TrainerMetrics
 from onlinerl_trainer.trainer import Trainer
 from tests.feedback.rollouts import make_rollout, record_rollout
+from tests.projects import test_rollout_lines as rl
 from tests.projects.test_trainer_adapters import project_config, sample, train
+from tests.rollout.sim import ArmSimulator, Truth
+from tests.rollout.test_controller import TICK_SECONDS, FakeClock, good_eval, rollout_cfg
 
 JOB = "j"
 BASE = "onlinerl-base"
@@ -218,6 +227,50 @@ def test_an_outcome_counts_on_the_line_that_served_it_and_a_forged_line_on_none(
     assert by_line(text, "onlinerl_feedback_rewards_total", sign="negative") == {"acme": 0.5}
     # the job-wide series did count the forgery, under its tenant
     assert series(text, "onlinerl_feedback_events_total")[(("outcome", "rejected"), ("tenant", "beta"))] == 1
+
+
+# --- the rollout controller ------------------------------------------------------------------------------------------
+def test_the_rollout_exports_each_lines_canary_and_drops_it_when_the_canary_ends(redis_client) -> None:
+    r, clock = redis_client, FakeClock()
+    for line in ("", "acme", "beta"):
+        rl.start_line(r, line)
+    # a0 is listed but has no version: idle at every tick, ticked before acme (lines go in name order)
+    projects = ProjectsConfig(adapters="listed", listed=["a0", "acme", "beta"])
+    ctl = LinesController(r, rl.JOB, rollout_cfg(), projects, good_eval, clock=clock)
+    ctl.line_metrics.label = LineLabels(cap=1)  # one project line by name: acme's canary; beta's is over the cap
+    assert sorted((line, rec.decision) for line, rec in ctl.tick()) == [
+        ("", "gate_pass"),
+        ("acme", "gate_pass"),
+        ("beta", "gate_pass"),
+    ]
+    sims = [
+        ArmSimulator(r, rl.JOB, {0: Truth(0.30), 1: Truth(0.30)}, seed=7, tenant=t, line=line)
+        for t, line in (("gamma", ""), ("acme", "acme"), ("beta", "beta"))
+    ]
+    for _ in range(3):
+        for sim in sims:
+            sim.serve(rl.REQUESTS)
+        clock.now += TICK_SECONDS
+        assert ctl.tick() == []  # too few samples to decide: the canaries run on
+
+    text = generate_latest(ctl.metrics.registry).decode()
+    win = by_line(text, "onlinerl_rollout_line_win_probability")
+    assert set(win) == {"shared", "acme"}
+    assert win["shared"] == ctl.metrics.win_probability._value.get()  # the shared line's own series agree
+    for line, label in (("", "shared"), ("acme", "acme")):
+        keys = rl.K.for_line(line)
+        for version, arm in ((1, "candidate"), (0, "stable")):
+            c = r.hgetall(keys.stats(version, arm))
+            rate = int(c.get(b"accepted", 0)) / int(c[b"shown"])
+            assert by_line(text, "onlinerl_rollout_line_accept_rate", arm=arm)[label] == pytest.approx(rate, abs=1e-6)
+
+    # acme's candidate withdrawn (its table without one): its series go at the next tick, the shared line's stay
+    r.hdel(rl.K.for_project("acme").policy, "candidate")
+    clock.now += TICK_SECONDS
+    ctl.tick()
+    text = generate_latest(ctl.metrics.registry).decode()
+    assert set(by_line(text, "onlinerl_rollout_line_win_probability")) == {"shared"}
+    assert set(by_line(text, "onlinerl_rollout_line_accept_rate")) == {"shared"}
 
 
 # --- the trainer ---------------------------------------------------------------------------------------------------

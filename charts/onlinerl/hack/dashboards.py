@@ -625,6 +625,23 @@ def _line_panels() -> list[Panel | Row]:
             "completions the candidate arm really had over $window.",
         ),
         Panel(
+            "Canary verdict per line",
+            "timeseries",
+            [
+                (f"max by (line) ({sel('onlinerl_rollout_line_win_probability', line=LINE)})", "{{line}} P(better)"),
+                (
+                    f"max by (line, arm) ({sel('onlinerl_rollout_line_accept_rate', line=LINE)})",
+                    "{{line}} {{arm}} accept rate",
+                ),
+            ],
+            "percentunit",
+            width=24,
+            min=0,
+            max=1,
+            description="What each line's own canary decides on: P(candidate better than what the line serves) and "
+            "the two arms' accept rates (the rollout controller's; a line without a canary has no series).",
+        ),
+        Panel(
             "Feedback outcomes per line",
             "timeseries",
             [

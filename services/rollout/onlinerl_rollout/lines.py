@@ -25,14 +25,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import redis
 from prometheus_client import Counter, Gauge
 
+from onlinerl.arms import CANDIDATE, STABLE
 from onlinerl.config import ProjectsConfig, RolloutConfig
 from onlinerl.dataplane import lines as dataplane_lines
 from onlinerl.keys import SHARED_LINE, Keys
+from onlinerl.metric_lines import OTHER_LABEL, LineLabels
 from onlinerl.rollout.records import DecisionRecord
 from onlinerl_rollout.controller import DecisionHook, Evaluator, RolloutController, run_ticks
 from onlinerl_rollout.metrics import DECISION_KINDS, RolloutMetrics
@@ -40,15 +43,22 @@ from onlinerl_rollout.metrics import DECISION_KINDS, RolloutMetrics
 log = logging.getLogger("onlinerl_rollout")
 
 LineDecisionHook = Callable[[str, DecisionRecord], None]
+Figures = tuple[Mapping[str, Any], Mapping[str, Any]]  # a canary's (candidate summary, stable summary)
 
 
 class LineMetrics:
     """Project lines' metrics next to the shared line's (whose series stay as they were): decisions summed over the
-    project lines, and how many lines are judged and how many run a canary. Per-line gauges would make L series per
-    figure; a project's own figures are in `onlinerl status` and its decisions stream."""
+    project lines, how many lines are judged and how many run a canary, and each line's running canary (its P(candidate
+    better) and its two arms' accept rates) under a ``line`` label. Only those two per-line figures: every figure per
+    line would make L series per figure; a project's others are in `onlinerl status` and its decisions stream. The
+    label is ``onlinerl.metric_lines``'s: at most ``MAX_NAMED_LINES`` projects by name, taken by the first lines that
+    run a canary (an idle line takes none); a canary beyond them is not exported (a P(win) of "some other line" means
+    nothing). A line's series go when its canary ends."""
 
-    def __init__(self, metrics: RolloutMetrics) -> None:
+    def __init__(self, metrics: RolloutMetrics, labels: LineLabels | None = None) -> None:
         reg = metrics.registry
+        self.label = labels or LineLabels()
+        self._exported: set[str] = set()  # labels with canary series now
         self.decisions = Counter(
             "onlinerl_rollout_project_decisions_total",
             "Rollout decisions taken on project policy lines (all projects together)",
@@ -63,6 +73,57 @@ class LineMetrics:
         self.canaries = Gauge(
             "onlinerl_rollout_project_canaries", "Project policy lines with a candidate at the last tick", registry=reg
         )
+        self.win_probability = Gauge(
+            "onlinerl_rollout_line_win_probability",
+            "P(candidate accept rate >= stable's) of each policy line's running canary",
+            ["line"],
+            registry=reg,
+        )
+        self.accept_rate = Gauge(
+            "onlinerl_rollout_line_accept_rate",
+            "Accept rate of each policy line's canary arms (the candidate and what it is compared with)",
+            ["line", "arm"],
+            registry=reg,
+        )
+
+    def canary(self, line: str, p_win: float, figures: Figures) -> None:
+        """``line``'s canary at one tick: ``figures`` = (candidate summary, stable summary), as observe_canary."""
+        label = self.label(line)
+        if label == OTHER_LABEL:
+            return
+        self.win_probability.labels(label).set(p_win)
+        for arm, fig in ((CANDIDATE, figures[0]), (STABLE, figures[1])):
+            self.accept_rate.labels(label, arm).set(float(fig.get("accept_rate", 0.0)))
+        self._exported.add(label)
+
+    def no_canary(self, line: str) -> None:
+        """``line`` runs no canary (now): its series go (called for every idle line at every tick: a set lookup)."""
+        label = self.label.known(line)
+        if label is None or label not in self._exported:
+            return
+        self._exported.discard(label)
+        self.win_probability.remove(label)
+        for arm in (CANDIDATE, STABLE):
+            self.accept_rate.remove(label, arm)
+
+
+class LineRolloutMetrics(RolloutMetrics):
+    """One line's controller metrics: what ``inner`` records (the shared line: the exported series it always had;
+    the project lines: one private, unexported registry for all of them), and the line's canary in
+    :class:`LineMetrics`' per-line gauges. Shares ``inner``'s series (no registration of its own)."""
+
+    def __init__(self, inner: RolloutMetrics, per_line: LineMetrics, line: str) -> None:  # no super(): inner's series
+        self.__dict__.update(inner.__dict__)
+        self._per_line, self._line = per_line, line
+
+    def observe_canary(self, candidate: int, stable: int, p_win: float, figures: Figures, *rest: Any) -> None:
+        """As :meth:`RolloutMetrics.observe_canary` (``rest``: its breaches and all_traffic), then the line's own."""
+        super().observe_canary(candidate, stable, p_win, figures, *rest)
+        self._per_line.canary(self._line, p_win, figures)
+
+    def no_canary(self) -> None:
+        super().no_canary()
+        self._per_line.no_canary(self._line)
 
 
 class LinesController:
@@ -97,7 +158,9 @@ class LinesController:
         self.gate_attempts = gate_attempts
         self.gate_retry_seconds = gate_retry_seconds
         self.stale_after_seconds = stale_after_seconds
-        self.controllers: dict[str, RolloutController] = {SHARED_LINE: self._controller(SHARED_LINE, self.metrics)}
+        self.controllers: dict[str, RolloutController] = {
+            SHARED_LINE: self._controller(SHARED_LINE, LineRolloutMetrics(self.metrics, self.line_metrics, SHARED_LINE))
+        }
         self.last_tick_ok: float | None = None
 
     @property
@@ -149,7 +212,8 @@ class LinesController:
         if ctl is None:
             # a project line's figures are not exported series by series (LineMetrics): one private, unexported
             # registry for all of them (a registry per line made the first tick over 1,000 lines ~0.4 s slower)
-            ctl = self.controllers[name] = self._controller(name, self._project_metrics)
+            metrics = LineRolloutMetrics(self._project_metrics, self.line_metrics, name)
+            ctl = self.controllers[name] = self._controller(name, metrics)
         return ctl
 
     def tick(self) -> list[tuple[str, DecisionRecord]]:

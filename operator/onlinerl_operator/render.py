@@ -436,8 +436,8 @@ def with_gateway_inside(ctx: RenderContext, vllm: dict[str, Any]) -> dict[str, A
     port, and the gateway's probes in place of vLLM's liveness. vLLM's startup probe stays: the gateway listens only
     once vLLM's app has started (vLLM's ASGI lifespan), and then its /healthz answers from vLLM's own event loop.
     vLLM itself stays on 127.0.0.1 (its admin routes never leave the pod). The process now faces clients, so it gets
-    no privilege escalation, as the trainer's multi-GPU processes (capabilities are not dropped: vLLM's GPU workers
-    share CUDA memory between processes, which this was not tried without)."""
+    no privilege escalation; its capabilities are kept, as the trainer's multi-GPU processes keep theirs (the sidecar
+    dropped all of them; vLLM's GPU workers were never run here without them)."""
     return {
         **vllm,
         "ports": [_gateway_port(ctx)],

@@ -265,11 +265,21 @@ def demo_user_keys(paths: StackPaths, tenant: str = DEMO_TENANT) -> list[str]:
 
 
 def effective_config(
-    cfg: OnlineRLConfig, paths: StackPaths, redis_url: str, model_path: Path, host: str = ports.LOOPBACK
+    cfg: OnlineRLConfig,
+    paths: StackPaths,
+    redis_url: str,
+    model_path: Path,
+    host: str = ports.LOOPBACK,
+    own_engines: bool = False,
 ) -> OnlineRLConfig:
     """The config every child reads: embedded Redis URL, resolved model folder, local keys and checkpoint paths, and
-    ``host`` for the gateway and feedback (their config default, every interface, is a pod's)."""
+    ``host`` for the gateway and feedback (their config default, every interface, is a pod's). ``own_engines``: the
+    stack starts its vLLMs itself, so unless the config says otherwise each runs its gateway inside its own process
+    (``serving.gatewayMode: inProcess``: no second hop, issue 40); the config's default, ``sidecar``, is a pod's,
+    whose upstream GPU vLLM image lacks onlinerl."""
     data = cfg.dump()
+    if own_engines and "gateway_mode" not in cfg.serving.model_fields_set:
+        data["serving"]["gatewayMode"] = "inProcess"
     data["redis"]["url"] = redis_url
     data["serving"]["host"] = host
     data["feedback"]["host"] = host
@@ -501,7 +511,7 @@ def start_stack(
         stack.api_key = ensure_demo_key(paths)
         for project in cfg.projects.listed:  # each listed project's own local keys, to try per-project adapters
             ensure_demo_key(paths, tenant=project)
-        stack.cfg = effective_config(cfg, paths, redis_url, model_path, host)
+        stack.cfg = effective_config(cfg, paths, redis_url, model_path, host, own_engines=not external_engine)
         write_secret(paths.config, yaml.safe_dump(stack.cfg.dump(), sort_keys=False))  # its Redis URL: a password
         stack.start_serving(model_path, ports, on_step, external_engine=external_engine)
         if serving_only:

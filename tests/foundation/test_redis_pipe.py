@@ -50,3 +50,36 @@ async def test_a_dead_server_fails_what_is_waiting_and_the_next_send_reconnects(
     finally:
         await pipe.close()
         await client.aclose()
+
+
+async def test_a_write_returns_within_the_loops_turn_and_a_server_that_stops_reading_times_it_out(valkey) -> None:
+    """A write is handed to the socket without yielding to the event loop (redis-py's own send makes a Task per
+    write under a socket timeout: a loop turn, 356 µs per rollout record in vLLM's busy loop, issue 40). When the
+    server stops reading, writes pile up in the socket buffer, and past DRAIN_ABOVE a write waits for it, bounded by
+    the socket timeout: RedisUnavailable, never a send that hangs."""
+    import os
+    import signal
+
+    client = Redis.from_url(valkey.url, socket_timeout=1)
+    pipe = PipelinedConnection(client)
+    try:
+        assert await pipe.call("PING") == b"PONG"
+        ran: list[str] = []
+        loop = asyncio.get_running_loop()
+        loop.call_soon(ran.append, "other task")  # runs at the loop's next turn
+        (ack,) = await pipe.send([("SET", "k", "v")])
+        assert ran == []  # the send did not give the loop a turn
+        assert await ack == b"OK"
+        os.kill(valkey.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RedisUnavailable, match="did not read"):
+                for _ in range(4096):  # up to 256 MiB: far beyond any socket buffer
+                    await pipe.send([("SET", "big", b"x" * (64 << 10))])
+            assert time.monotonic() - started < 10
+        finally:
+            os.kill(valkey.process.pid, signal.SIGCONT)
+        assert await pipe.call("PING") == b"PONG"  # the next send reconnects
+    finally:
+        await pipe.close()
+        await client.aclose()

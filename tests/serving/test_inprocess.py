@@ -192,3 +192,86 @@ def test_a_gateway_that_cannot_start_fails_the_engine_startup() -> None:
         assert "redis.url is required" in sent[0]["message"]
 
     run(go())
+
+
+def test_the_gateway_serves_beside_the_app_for_its_lifespan_and_a_gateway_that_dies_stops_the_process(
+    empty_valkey, monkeypatch
+) -> None:
+    """Started at the app's startup, the gateway answers on its own port (its /readyz reads the app's /v1/models
+    through the in-process engine); stopped at the app's shutdown, it sends no signal. A gateway server that ends on
+    its own (vLLM running on, unreachable) makes the process stop itself: SIGTERM to its own pid."""
+    import os
+    import signal
+
+    import httpx
+
+    from onlinerl.config import from_mapping
+    from onlinerl.valkey import free_port
+    from onlinerl_serving import inprocess
+
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr(inprocess.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    port = free_port()
+    cfg = from_mapping(
+        {
+            "redis": {"url": empty_valkey.url},
+            "auth": {"allowAnonymous": True},
+            "serving": {"host": "127.0.0.1", "port": port},
+            "model": {"servedName": "base"},
+        }
+    )
+
+    async def models(request: Request):
+        return JSONResponse({"data": [{"id": "base"}]})
+
+    app = Starlette(routes=[Route("/v1/models", models)])
+
+    async def lifespan_of(middleware: InProcessGateway, stop: asyncio.Event) -> list[str]:
+        sent: list[str] = []
+        messages = [{"type": "lifespan.startup"}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await stop.wait()
+            return {"type": "lifespan.shutdown"}
+
+        async def send(message: dict) -> None:
+            sent.append(message["type"])
+
+        await middleware({"type": "lifespan", "asgi": {"version": "3.0"}, "app": app}, receive, send)
+        return sent
+
+    async def serving(middleware: InProcessGateway) -> None:
+        for _ in range(100):
+            if middleware._server is not None and middleware._server.started:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the in-process gateway did not start")
+
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            stop = asyncio.Event()
+            middleware = InProcessGateway(app, config_loader=lambda: cfg)
+            life = asyncio.ensure_future(lifespan_of(middleware, stop))
+            await serving(middleware)
+            ready = (await http.get("/readyz")).json()
+            assert ready["engine"] and ready["loaded_versions"] == [0]  # the app's /v1/models, called in-process
+            stop.set()
+            assert await asyncio.wait_for(life, 30) == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+            assert signals == []  # an orderly shutdown
+            # again, and this time the gateway's server ends by itself
+            stop = asyncio.Event()
+            middleware = InProcessGateway(app, config_loader=lambda: cfg)
+            life = asyncio.ensure_future(lifespan_of(middleware, stop))
+            await serving(middleware)
+            middleware._server.should_exit = True
+            for _ in range(100):
+                if signals:
+                    break
+                await asyncio.sleep(0.05)
+            assert signals == [(os.getpid(), signal.SIGTERM)]
+            stop.set()
+            await asyncio.wait_for(life, 30)
+
+    run(go())

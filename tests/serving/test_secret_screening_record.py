@@ -155,3 +155,52 @@ def test_block_mode_refuses_a_prompt_with_a_key_naming_where_not_what(
     assert "aws_access_key_id in the prompt at characters 21-41" in err["message"] and AWS not in r.text
     assert prompt[21:41] == AWS
     assert redis_client.dbsize() == 0  # nothing recorded, nothing counted
+
+
+def test_audit_mode_scans_the_prompt_during_the_generation_and_still_redacts_its_record(
+    empty_valkey: EmbeddedValkey, redis_client: redis.Redis
+) -> None:
+    """Under audit the prompt is scanned by a task started with the request (SecretScreen.prescan, issue 40: off
+    the user's path); the record is redacted for the prompt's finding exactly as when scanned at recording time."""
+    prompt = f'AWS_ACCESS_KEY_ID = "{AWS}"\nclient = boto3.client('
+
+    async def record() -> tuple[str, list]:
+        gw = gateway(empty_valkey.url)
+        try:
+            assert gateway(empty_valkey.url, "block").screen.prescan(prompt) is None  # block refused it before
+            body = orjson.dumps({"prompt": prompt, "max_tokens": 16, "stream": True})
+            req = parse_completion_request(body, gw.limits)
+            rid = uuid.uuid4().hex
+            ctx = _Ctx(req, "acme", user_hash(KEY), Route(STABLE, 0, 0), "onlinerl-base", rid, time.time(), 0.0, 0.0)
+            ctx.prompt_scan = gw.screen.prescan(prompt)
+            assert not ctx.prompt_scan.done()  # it runs once the caller yields (its request goes to vLLM first)
+            await asyncio.sleep(0.01)
+            found = ctx.prompt_scan.result()
+            acc = RolloutAccumulator()
+            acc.add_choice(
+                {
+                    "text": " 'us-east-1')",
+                    "prompt_token_ids": [1],
+                    "token_ids": [7],
+                    "finish_reason": "stop",
+                    "logprobs": {"token_logprobs": [-0.3], "text_offset": [0]},
+                }
+            )
+            await (await gw._start_record(ctx, acc))
+            return rid, found
+        finally:
+            await gw.rollouts.close()
+            await gw.redis.aclose()
+
+    rid, found = asyncio.run(record())
+    assert [(f.field, f.kind, f.start, f.end) for f in found] == [("prompt", "aws_access_key_id", 21, 41)]
+    raw = redis_client.hget(Keys(JOB).rollouts("acme", prompt), rid)
+    assert raw is not None
+    rec = RolloutRecord.model_validate_json(raw)
+    assert (
+        rec.redacted
+        and rec.prompt == ""
+        and [(s.field, s.kind) for s in rec.secrets] == [("prompt", "aws_access_key_id")]
+    )
+    for value in every_value(redis_client):
+        assert AWS.encode() not in value

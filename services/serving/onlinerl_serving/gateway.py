@@ -335,6 +335,7 @@ class Gateway:
         a user key never does, so no user can learn whether it is in a canary and steer it (issue 35)."""
         created_at = time.time()
         rollout_id = uuid.uuid4().hex  # ours, known before the first byte: it goes in a response header
+        prompt_scan = self.screen.prescan(req.prompt)  # during the generation, off the user's path
         for attempt in (0, 1):
             held = await self._enter_weights(forced)
             try:
@@ -376,6 +377,7 @@ class Gateway:
                         {"x-onlinerl-policy-version": str(r.version), "x-onlinerl-arm": r.arm, "x-onlinerl-line": line}
                     )
                 ctx = _Ctx(req, tenant, uhash, r, model, rollout_id, created_at, t0, overhead, canary, line)
+                ctx.prompt_scan = prompt_scan
                 if req.stream:
                     return await self._relay_stream(resp, ctx, receive, send, headers), r.arm, r.version
                 return await self._relay_body(resp, ctx, receive, send, headers), r.arm, r.version
@@ -429,7 +431,9 @@ class Gateway:
             canary=ctx.canary,
             line=ctx.line,
         )
-        record = self.screen.screen(record)  # a credential in the prompt or completion: recorded without the text
+        prompt_findings = None if ctx.prompt_scan is None else await ctx.prompt_scan
+        # a credential in the prompt or completion: recorded without the text
+        record = self.screen.screen(record, prompt_findings)
         try:
             acknowledged = await self.rollouts.send(record, ctx.req.prompt)
         except Exception as exc:
@@ -565,6 +569,7 @@ class _Ctx:
         "line",
         "model",
         "overhead",
+        "prompt_scan",
         "req",
         "rollout_id",
         "route",
@@ -591,6 +596,7 @@ class _Ctx:
         self.rollout_id, self.created_at, self.t0, self.overhead = rollout_id, created_at, t0, overhead
         self.canary = canary  # the candidate the table named at routing: the per-user ledger the record counts in
         self.line = line  # the policy line that served it ('' shared, else the key's project: issue 39)
+        self.prompt_scan: asyncio.Future | None = None  # the prompt's secret findings (SecretScreen.prescan)
 
 
 def _client_disconnected() -> ApiError:

@@ -20,6 +20,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -214,6 +216,7 @@ class InProcessGateway:
         self.engine: InProcessEngine | None = None
         self._server: Any = None
         self._serving: asyncio.Task | None = None
+        self._stopping = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
@@ -277,9 +280,20 @@ class InProcessGateway:
         if self._serving.done():  # uvicorn exits (SystemExit) when it cannot bind or its lifespan fails
             exc = None if self._serving.cancelled() else self._serving.exception()
             raise RuntimeError(f"the gateway could not start on {cfg.serving.host}:{cfg.serving.port}: {exc!r}")
+        self._serving.add_done_callback(self._ended)
         log.info("onlinerl gateway in vLLM's process on %s:%s", cfg.serving.host, cfg.serving.port)
 
+    def _ended(self, task: asyncio.Task) -> None:
+        """The gateway's server stopped while vLLM runs on: a replica nobody can reach. Stop vLLM too (SIGTERM, its
+        own orderly shutdown), so that the pod's or the local stack's supervisor restarts the whole replica."""
+        if self._stopping:
+            return
+        exc = None if task.cancelled() else task.exception()
+        log.error("the in-process gateway stopped (%r): stopping vLLM so that the replica is restarted", exc)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     async def stop(self) -> None:
+        self._stopping = True
         if self._server is None or self._serving is None:
             return
         self._server.should_exit = True

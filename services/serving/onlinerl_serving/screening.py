@@ -14,6 +14,8 @@ the matched text, only kinds and positions.
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter
 
 from onlinerl.schemas import RolloutRecord, SecretFindingRecord
@@ -72,10 +74,29 @@ class SecretScreen:
                 param="prompt",
             )
 
-    def screen(self, record: RolloutRecord) -> RolloutRecord:
-        """The record to store: redacted when its prompt or completion holds a credential (audit, block)."""
+    def prescan(self, prompt: str) -> asyncio.Future[list[FieldFinding]] | None:
+        """``audit``: the prompt's findings, computed while the engine generates rather than after it.
+
+        The prompt scan grows with the prompt (Continue sends up to a few thousand characters) and was paid after
+        the completion, on the user's path. As a task that first yields once, it runs after the request has gone to
+        vLLM, during the generation; :meth:`screen` then scans only the completion. ``block`` needs none: a prompt
+        with a finding was refused (:meth:`check_prompt`); ``off`` scans nothing."""
+        if self.mode != "audit":
+            return None
+        return asyncio.ensure_future(_scan_prompt_soon(prompt))
+
+    def screen(self, record: RolloutRecord, prompt_findings: list[FieldFinding] | None = None) -> RolloutRecord:
+        """The record to store: redacted when its prompt or completion holds a credential (audit, block).
+        ``prompt_findings``: the prompt's, from :meth:`prescan` (else scanned here)."""
         if self.mode == "off":
             return record
-        findings = scan_fields([("prompt", record.prompt), ("completion", record.completion)])
+        if prompt_findings is None:
+            prompt_findings = [] if self.mode == "block" else scan_fields([("prompt", record.prompt)])
+        findings = prompt_findings + scan_fields([("completion", record.completion)])
         self._count(findings)
         return redacted(record, findings)
+
+
+async def _scan_prompt_soon(prompt: str) -> list[FieldFinding]:
+    await asyncio.sleep(0)  # the caller's request to the engine goes out first
+    return scan_fields([("prompt", prompt)])

@@ -275,3 +275,31 @@ def test_the_gateway_serves_beside_the_app_for_its_lifespan_and_a_gateway_that_d
             await asyncio.wait_for(life, 30)
 
     run(go())
+
+
+def test_a_client_that_leaves_reaches_the_handler_through_its_own_receive() -> None:
+    """Non-streaming, the gateway hands the client's receive to the engine: the handler sees the client leave as it
+    would see its socket close, and the response says the client left (the gateway answers 499, records nothing)."""
+
+    async def go() -> None:
+        fake = FakeVllm()
+        engine = InProcessEngine(fake.app(), read_timeout=5)
+        leaves = asyncio.Event()
+
+        async def client_receive() -> dict:
+            await leaves.wait()
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(engine.post("/wait", b"{}", client_receive))
+        await asyncio.sleep(0.05)
+        assert not fake.disconnect_seen.is_set()
+        leaves.set()
+        resp = await asyncio.wait_for(task, 5)  # the handler returned once it saw the disconnect
+        assert fake.disconnect_seen.is_set() and resp.client_left
+        await resp.aclose()
+        # a client that stays: answered as usual, not marked
+        leaves = asyncio.Event()
+        resp = await engine.post("/v1/completions", b"{}", client_receive)
+        assert await resp.read() and not resp.client_left
+
+    run(go())

@@ -271,9 +271,9 @@ class Gateway:
             code="body_too_large",
         )
 
-    async def _open_upstream(self, body: bytes) -> EngineResponse:
+    async def _open_upstream(self, body: bytes, client_receive: Receive | None = None) -> EngineResponse:
         try:
-            return await self.pool.post("/v1/completions", body)
+            return await self.pool.post("/v1/completions", body, client_receive)
         except EngineTimeout:
             raise engine_timeout(self.cfg.serving.request_timeout_seconds) from None
         except EngineUnavailable as exc:
@@ -282,9 +282,9 @@ class Gateway:
                 f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
             ) from None
 
-    async def _open_and_read(self, body: bytes) -> EngineResponse:
+    async def _open_and_read(self, body: bytes, client_receive: Receive | None = None) -> EngineResponse:
         """Non-streaming: open the request and read the whole response (vLLM sends its headers only when done)."""
-        resp = await self._open_upstream(body)
+        resp = await self._open_upstream(body, client_receive)
         try:
             await resp.read()
         except EngineTimeout:
@@ -305,6 +305,14 @@ class Gateway:
         disconnects first; then the connection is closed unread, so vLLM aborts instead of finishing for nobody."""
         if receive is None:
             return await self._open_upstream(body)
+        if self.pool.relays_client_disconnect:
+            # In vLLM's process: vLLM's handler watches the client's own receive, as it watches its socket, and
+            # aborts when the client leaves; no watcher tasks here (each costs a turn of vLLM's busy loop).
+            resp = await self._open_and_read(body, receive)
+            if resp.client_left:
+                await resp.aclose()
+                return None
+            return resp
         work = asyncio.ensure_future(self._open_and_read(body))
         gone = asyncio.ensure_future(wait_for_disconnect(receive))
         try:

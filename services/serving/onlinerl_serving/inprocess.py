@@ -42,8 +42,10 @@ class InProcessResponse:
     Starlette's disconnect listener) and abort the generation when it says ``http.disconnect``; :meth:`aclose` on an
     unfinished response says exactly that, as closing the socket did in sidecar mode."""
 
-    def __init__(self, read_timeout: float, body: bytes) -> None:
+    def __init__(self, read_timeout: float, body: bytes, client_receive: Receive | None = None) -> None:
         self.read_timeout = read_timeout
+        self._client_receive = client_receive
+        self.client_left = False
         self.status_code = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._body = body
@@ -60,6 +62,12 @@ class InProcessResponse:
         if not self._sent_body:
             self._sent_body = True
             return {"type": "http.request", "body": self._body, "more_body": False}
+        if self._client_receive is not None:  # the gateway's client, whose body was read: only its leaving is left
+            while (await self._client_receive())["type"] != "http.disconnect":
+                pass
+            if not self._done:
+                self.client_left = True
+            return {"type": "http.disconnect"}
         await self._gone.wait()
         return {"type": "http.disconnect"}
 
@@ -145,6 +153,8 @@ class InProcessEngine:
     vLLM's own ASGI app in this process. ``app_scope`` holds what Starlette gives each request of vLLM's app (the
     app object, whose ``state`` vLLM's handlers read, and the lifespan state); it is filled at vLLM's startup."""
 
+    relays_client_disconnect = True
+
     def __init__(self, app: ASGIApp, *, read_timeout: float) -> None:
         self.app = app
         self.read_timeout = read_timeout
@@ -177,8 +187,13 @@ class InProcessEngine:
             scope["state"] = dict(self.app_scope["state"])
         return scope
 
-    async def request(self, method: str, path: str, body: bytes) -> InProcessResponse:
-        resp = InProcessResponse(self.read_timeout, body)
+    async def request(
+        self, method: str, path: str, body: bytes, client_receive: Receive | None = None
+    ) -> InProcessResponse:
+        """``client_receive``: the gateway's client's ASGI receive (its body already read). vLLM's handler then
+        watches the client itself, as it watches a socket, and aborts the generation when the client leaves; the
+        response says so (``client_left``)."""
+        resp = InProcessResponse(self.read_timeout, body, client_receive)
         task = asyncio.ensure_future(self.app(self._scope(method, path, body), resp.receive, resp.send))
         resp.task = task
         self._tasks.add(task)
@@ -191,8 +206,8 @@ class InProcessEngine:
             raise
         return resp
 
-    async def post(self, path: str, body: bytes) -> InProcessResponse:
-        return await self.request("POST", path, body)
+    async def post(self, path: str, body: bytes, client_receive: Receive | None = None) -> InProcessResponse:
+        return await self.request("POST", path, body, client_receive)
 
     async def get_bytes(self, path: str) -> tuple[int, bytes]:
         resp = await self.request("GET", path, b"")

@@ -11,7 +11,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import httptools
 
@@ -113,6 +113,7 @@ class UpstreamResponse:
         self.headers = conn.headers
         self._done = False
         self._body: bytes | None = None
+        self.client_left = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body data as it arrives; pieces that arrived together come as one (one relay write instead of many:
@@ -149,6 +150,7 @@ class EngineResponse(Protocol):
 
     status_code: int
     headers: list[tuple[bytes, bytes]]
+    client_left: bool  # the client's disconnect reached the engine (only an engine that relays it)
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -162,8 +164,9 @@ class Engine(Protocol):
     ``inprocess.InProcessEngine`` as a direct ASGI call in vLLM's own process."""
 
     read_timeout: float
+    relays_client_disconnect: bool  # post() can hand the client's own ASGI receive to the engine
 
-    async def post(self, path: str, body: bytes) -> EngineResponse: ...
+    async def post(self, path: str, body: bytes, client_receive: Any = None) -> EngineResponse: ...
 
     async def get_bytes(self, path: str) -> tuple[int, bytes]: ...
 
@@ -172,6 +175,8 @@ class Engine(Protocol):
 
 class EnginePool:
     """Keep-alive connections to one ``host:port``."""
+
+    relays_client_disconnect = False  # over a socket the engine cannot see the gateway's client: the gateway watches
 
     def __init__(
         self, host: str, port: int, *, connect_timeout: float, read_timeout: float, max_idle: int = 128
@@ -219,8 +224,10 @@ class EnginePool:
         else:
             conn.close()
 
-    async def post(self, path: str, body: bytes) -> UpstreamResponse:
+    async def post(self, path: str, body: bytes, client_receive: Any = None) -> UpstreamResponse:
         """POST a JSON body and wait for the status line and headers."""
+        if client_receive is not None:
+            raise ValueError("a socket engine cannot watch the client: relays_client_disconnect is False")
         return await self.request("POST", path, body)
 
     async def get_bytes(self, path: str) -> tuple[int, bytes]:

@@ -32,6 +32,7 @@ from onlinerl.loop.stack import LocalPorts, Stack, start_stack
 from onlinerl.procs import wait_for
 from onlinerl.schemas import PolicyTable, RolloutRecord
 from onlinerl.valkey import free_port
+from tests.serving.abandon import assert_a_leaving_client_aborts_the_generation
 from tests.serving.lora_helpers import announce, write_lora_checkpoint
 
 pytestmark = pytest.mark.vllm
@@ -299,27 +300,10 @@ def test_a_non_stream_client_that_leaves_aborts_the_generation_in_process(env: E
     """In vLLM's process the gateway hands its client's own ASGI receive to vLLM's handler, which aborts when the
     client leaves (no watcher tasks in the gateway): a client that gives up leaves no 2,000-token generation behind,
     and the gateway counts a 499."""
-    from tests.serving.test_serving_vllm import _series_sum
-
     rep = env.stack.replicas[0]
-    auth = {"Authorization": f"Bearer {env.stack.api_key}"}
+    body = {"model": "onlinerl", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0.0, "stop": []}
     with httpx.Client(base_url=rep.gateway_url, timeout=30) as c:
-        before = _series_sum(c.get("/engine/metrics").text, "vllm:generation_tokens_total")
-        body = {"model": "onlinerl", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0.0, "stop": []}
-        with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 2,000 tokens
-            c.post("/v1/completions", json=body, headers=auth, timeout=httpx.Timeout(0.3, connect=5.0))
-        wait_for(
-            lambda: _series_sum(c.get("/metrics").text, "onlinerl_serving_requests_total", 'code="499"') >= 1,
-            10,
-            what="the gateway to see the client leave",
-        )
-        wait_for(
-            lambda: _series_sum(c.get("/engine/metrics").text, "vllm:num_requests_running") == 0,
-            15,
-            what="vLLM to drop the abandoned request",
-        )
-        generated = _series_sum(c.get("/engine/metrics").text, "vllm:generation_tokens_total") - before
-    assert generated < 2000
+        assert_a_leaving_client_aborts_the_generation(c, body, {"Authorization": f"Bearer {env.stack.api_key}"})
 
 
 def test_kill_one_replica_mid_switch(env: Env) -> None:

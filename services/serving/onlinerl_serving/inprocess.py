@@ -81,7 +81,7 @@ class InProcessResponse:
             body = message.get("body", b"")
             if body:
                 self._push(bytes(body))
-            if not message.get("more_body", False):
+            if not message.get("more_body", False):  # vLLM's response's last piece (not a request body)
                 self._push(_EOF)
 
     def finished(self, task: asyncio.Task) -> None:

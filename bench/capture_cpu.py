@@ -8,6 +8,7 @@ process spent per request. ``--without-plugin`` starts vLLM without onlinerl's v
 
     .venv/bin/python bench/capture_cpu.py -n 150
     .venv/bin/python bench/capture_cpu.py -n 150 --without-plugin
+    .venv/bin/python bench/capture_cpu.py -n 150 --count-rank      # the plugin as before it skipped the rank
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=150, help="requests per variant and mode")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--without-plugin", action="store_true")
+    ap.add_argument("--count-rank", action="store_true", help="the plugin counts the rank again (vLLM's value)")
     args = ap.parse_args()
 
     from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
@@ -42,6 +44,10 @@ def main() -> int:
     model = make_tiny_model(default_cache_dir() / "models" / "tiny-llama-2l", bootstrap_smollm2())
     port = free_port()
     env = {"VLLM_PLUGINS": others_than_ours()} if args.without_plugin else {}
+    if args.count_rank:
+        from onlinerl_serving.vllm_plugin import COUNT_RANK_ENV
+
+        env[COUNT_RANK_ENV] = "1"
     tmp = Path(tempfile.mkdtemp(prefix="orl-capture-cpu-"))
     child = start_vllm(
         from_mapping({"model": {"maxModelLen": 2048}}), model, tmp / "vllm.log", port=port, extra_env=env

@@ -39,6 +39,7 @@ from onlinerl.config import OnlineRLConfig, from_mapping
 from onlinerl.fim import get_template
 from onlinerl.procs import Child, python_module
 from onlinerl.valkey import EmbeddedValkey, free_port
+from onlinerl_serving import vllm_plugin
 from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
 
 KEY = "sk-bench-0123456789"
@@ -271,6 +272,12 @@ def main() -> int:
         help="also start a second vLLM without onlinerl's vLLM plugin and time it in the same run (before/after)",
     )
     ap.add_argument(
+        "--ab-rank",
+        action="store_true",
+        help="also start a second vLLM whose plugin counts the sampled token's rank (ONLINERL_VLLM_COUNT_RANK=1): "
+        "what skipping the count saves, in the same run",
+    )
+    ap.add_argument(
         "--without-plugin",
         action="store_true",
         help="start vLLM without onlinerl's vLLM plugin (onlinerl_serving/vllm_plugin.py): the capture's old cost",
@@ -316,11 +323,15 @@ def main() -> int:
             children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port, extra_env=env))
             for url in in_process.values():
                 children[-1].wait_healthy(f"{url}/readyz", 60)
-            if args.ab_plugin:
+            plain_cfg = from_mapping({"model": {"maxModelLen": 2048}})  # no in-process gateway in a second engine
+            seconds = {"no plugin": {"VLLM_PLUGINS": others_than_ours()}} if args.ab_plugin else {}
+            if args.ab_rank:
+                seconds["rank counted"] = {vllm_plugin.COUNT_RANK_ENV: "1"}
+            for name, env in seconds.items():
                 port2 = free_port()
-                env = {"VLLM_PLUGINS": others_than_ours()}
-                children.append(start_vllm(cfg, model, tmp / "vllm-noplugin.log", port=port2, extra_env=env))
-                extra_engines["no plugin"] = f"http://127.0.0.1:{port2}"
+                log = tmp / f"vllm-{name.replace(' ', '-')}.log"
+                children.append(start_vllm(plain_cfg, model, log, port=port2, extra_env=env))
+                extra_engines[name] = f"http://127.0.0.1:{port2}"
         versions = {"gateway": None}
         if args.baseline_ref:
             packages = {"onlinerl": "onlinerl", "onlinerl_serving": "services/serving"}

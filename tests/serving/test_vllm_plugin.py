@@ -1,4 +1,5 @@
-"""The vLLM plugin (issue 40): on CPU the sampled token's rank is counted eagerly, to the same integers.
+"""The vLLM plugin (issue 40): on CPU the sampled token's rank is counted eagerly, to the same integers, and for
+logprobs=0 (what the gateway asks) not at all.
 
 Unit: the eager count equals vLLM's compiled one, ties included; registering rebinds the sampler's name once.
 Through the real engine: the shared engine loaded the plugin (its log says so) and still returns one behaviour
@@ -36,8 +37,23 @@ def test_the_sampled_only_gather_returns_vllms_tensors_and_leaves_top_k_to_vllm(
     sampled = torch.tensor([3, 49151, 0, 77])
     for k in (0, 2):
         ours, theirs = lean(x, k, token_ids=sampled), original(x, k, token_ids=sampled)
-        for a, b in zip(ours, theirs, strict=True):
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            if k == 0 and i == 2:  # the rank, not counted for logprobs=0: zeros of vLLM's dtype
+                assert a.dtype == b.dtype and a.shape == b.shape and not a.any() and b.min() >= 1
+                continue
             assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+
+
+def test_the_rank_is_counted_again_on_request(monkeypatch):
+    from vllm.v1.sample.sampler import Sampler
+
+    monkeypatch.setenv(vllm_plugin.COUNT_RANK_ENV, "1")
+    original = getattr(Sampler.gather_logprobs, "onlinerl_original", Sampler.gather_logprobs)
+    x = torch.randn(2, 49152, generator=torch.Generator().manual_seed(2)).log_softmax(-1)
+    sampled = torch.tensor([9, 4])
+    ours, theirs = vllm_plugin.sampled_only(original)(x, 0, token_ids=sampled), original(x, 0, token_ids=sampled)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
 
 
 def test_register_rebinds_the_samplers_count_and_gather_once_on_cpu():

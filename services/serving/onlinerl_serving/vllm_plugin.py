@@ -12,11 +12,16 @@ sum over the row: the same integers, none of the dispatch. With ``logprobs: 0`` 
 
 So on a CPU platform, and only for the vLLM release whose code this was read against:
 - the sampler module's name ``batched_count_greater_than`` is rebound to the eager count (every caller);
-- ``Sampler.gather_logprobs`` with ``num_logprobs == 0`` returns the sampled token, its log-prob and its rank
-  directly; any other count goes to vLLM's own.
-Nothing else changes: the same tensors, values and dtypes (tests/serving/test_vllm_plugin.py compares both with
-vLLM's own functions). GPU engines run upstream vLLM images without this package; there, and on any other vLLM
-release, :func:`register` changes nothing and logs why.
+- ``Sampler.gather_logprobs`` with ``num_logprobs == 0`` returns the sampled token and its log-prob directly; any
+  other count goes to vLLM's own;
+- with ``num_logprobs == 0`` the rank is not counted at all: its tensor holds 0 ("not counted"). No response of
+  the OpenAI server carries a rank (completions and chat return tokens and log-probs; the one reader, the scale-out
+  token-in-token-out route, maps a 0 rank to "none"), and counting it is a comparison and a sum over the whole
+  vocabulary for every generated token: 24 µs per token on this CPU, beside 19 µs for the log-softmax the log-prob
+  itself needs (measured on a [1, 49152] row, one thread). ``ONLINERL_VLLM_COUNT_RANK=1`` counts it again.
+Nothing else changes: the same token ids and log-probs, values and dtypes (tests/serving/test_vllm_plugin.py
+compares them with vLLM's own functions). GPU engines run upstream vLLM images without this package; there, and on
+any other vLLM release, :func:`register` changes nothing and logs why.
 
 vLLM loads general plugins in every process it starts (API server, engine core, workers) and may load them more
 than once: :func:`register` is idempotent.
@@ -25,6 +30,7 @@ than once: :func:`register` is idempotent.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -43,6 +49,15 @@ def count_at_least_eager(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (x >= values).sum(-1)
 
 
+# ``ONLINERL_VLLM_COUNT_RANK=1`` counts the sampled token's rank again (vLLM's value), e.g. to measure what skipping
+# it saves (bench/serving_latency.py --ab-rank).
+COUNT_RANK_ENV = "ONLINERL_VLLM_COUNT_RANK"
+
+
+def count_rank() -> bool:
+    return os.environ.get(COUNT_RANK_ENV, "") == "1"
+
+
 def sampled_only(original):
     """``Sampler.gather_logprobs`` that answers ``num_logprobs == 0`` itself (the sampled token alone: what the
     gateway asks for) and hands every other count to ``original``."""
@@ -53,7 +68,10 @@ def sampled_only(original):
             return original(logprobs, num_logprobs, token_ids)
         token_ids = token_ids.unsqueeze(-1)  # [n, 1]
         token_logprobs = logprobs.gather(-1, token_ids)  # [n, 1]
-        ranks = count_at_least_eager(logprobs, token_logprobs)  # [n]
+        if count_rank():
+            ranks = count_at_least_eager(logprobs, token_logprobs)  # [n]
+        else:
+            ranks = torch.zeros(token_ids.shape[0], dtype=torch.int64)  # [n]: 0 = not counted (module docstring)
         return LogprobsTensors(token_ids.to(torch.int32), token_logprobs, ranks)
 
     gather_logprobs.onlinerl_original = original  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ mkdir -p "$STATE"
 [ -f "$STATE/data-beta/test.jsonl" ] || $BIN/onlinerl data build --corpus "$BETA_CORPUS" --out "$STATE/data-beta"
 . tools/stack_up.sh
 start_local_stack "$CONFIG" "$STATE"
-$BIN/python tools/project_canary.py measure --state "$STATE" --data "$STATE/data-beta" --lines alpha,beta \
+$BIN/python tools/project_canary.py measure --state "$STATE" --data "$STATE/data-beta" --own "$STATE/data-alpha" --lines alpha,beta \
   --out "$STATE/canary-before.json" > /dev/null
 echo "stack is up; simulating alpha and beta for ${DURATION}s"
 SIMS=()
@@ -42,5 +42,5 @@ for P in alpha beta; do
     --limit "$EVAL_LIMIT" --concurrency 4 --max-tokens 32 --max-prefix-chars 600 --out "$STATE/eval-$P" \
     --timeline "$STATE/timeline-$P.jsonl" | tee "$STATE/eval-$P.txt"
 done
-$BIN/python tools/project_canary.py measure --state "$STATE" --data "$STATE/data-beta" --lines alpha,beta \
+$BIN/python tools/project_canary.py measure --state "$STATE" --data "$STATE/data-beta" --own "$STATE/data-alpha" --lines alpha,beta \
   --out "$STATE/canary-after.json"

@@ -30,3 +30,23 @@ def test_plant_renames_whole_words_in_every_split(tmp_path):
     assert planted.middle == "ok = zq_isinstance(y, str)"
     assert planted.prefix.startswith("if zq_isinstance(") and planted.suffix == "\nnotisinstance(z)"
     assert read_jsonl(tmp_path / "train.jsonl")[1].middle == "y = 2"
+
+
+def test_contexts_for_the_isolation_test_the_positive_control_and_its_control():
+    """other: the word's place in another project's code, never a context holding the canary; own: the canary's
+    place in the planting project's code (in context too); control: another name the middle writes that the
+    context already holds, never a keyword or the canary."""
+    from onlinerl.fim import get_template
+
+    tool, template = _tool(), get_template("qwen")
+    other = [
+        FimSample("a", "line", "f.py", 1, 1, "def f(self):\n    ", "return self.x", ""),
+        FimSample("b", "line", "g.py", 1, 1, "zq_self = 1\n", "self.y = 2", ""),  # holds the canary: skipped
+    ]
+    pairs = tool.contexts_for(other, template, "self", "zq_self", 10, 600, "other")
+    assert [t for _, t in pairs] == ["zq_self"] and pairs[0][0].endswith("return ")
+    own = [FimSample("c", "line", "h.py", 1, 1, "def g(zq_self, total):\n    ", "for item in zq_self.total: pass", "")]
+    [(ctx, target)] = tool.contexts_for(own, template, "self", "zq_self", 10, 600, "own")
+    assert target == "zq_self" and ctx.endswith("for item in ") and "def g(zq_self" in ctx
+    [(ctx, target)] = tool.contexts_for(own, template, "self", "zq_self", 10, 600, "control")
+    assert target == "total" and ctx.endswith("for item in zq_self.")  # 'item' is not in the context yet

@@ -263,6 +263,7 @@ class InProcessGateway:
         from onlinerl.config import load_config
         from onlinerl_serving.gateway import create_app
 
+        log_like_the_sidecar()
         cfg = (self.config_loader or load_config)()
         self.engine = InProcessEngine(self.app, read_timeout=cfg.serving.request_timeout_seconds)
         self.engine.app_scope = {"app": lifespan_scope.get("app"), "state": lifespan_scope.get("state")}
@@ -316,6 +317,23 @@ class InProcessGateway:
             await asyncio.wait_for(self._serving, 30)
         if self.engine is not None:
             self.engine.close()
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"  # the sidecar's (gateway.main)
+
+
+def log_like_the_sidecar() -> None:
+    """vLLM configures only its own ``vllm`` loggers: without this, the gateway's INFO lines (and the timestamps of
+    its errors) would be lost in vLLM's process. Adds the sidecar's handler to ``onlinerl`` unless someone already
+    configured logging (a root handler, or one on ``onlinerl``)."""
+    ours = logging.getLogger("onlinerl")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 async def _until(predicate: Callable[[], bool], interval: float = 0.02) -> None:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from onlinerl.asgi import ASGIApp, Receive, Scope, Send
-from onlinerl_serving.upstream import EngineTimeout, EngineUnavailable
+from onlinerl_serving.upstream import EngineTimeout, EngineUnavailable, with_queued
 
 log = logging.getLogger("onlinerl.gateway.inprocess")
 
@@ -124,12 +124,7 @@ class InProcessResponse:
             if item is _EOF:
                 self._done = True
                 return
-            if self._items and isinstance(self._items[0], bytes):
-                pieces = [item]
-                while self._items and isinstance(self._items[0], bytes):
-                    pieces.append(self._items.popleft())
-                item = b"".join(pieces)  # type: ignore[arg-type]
-            yield item  # type: ignore[misc]
+            yield with_queued(item, self._items)  # type: ignore[arg-type]
 
     async def read(self) -> bytes:
         if self._whole is None:

@@ -104,6 +104,17 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def with_queued(piece: bytes, queue: collections.deque) -> bytes:
+    """``piece`` joined with the body pieces already queued behind it (one relay write instead of many: vLLM sends
+    each token as its own piece, and a socket write costs tens of microseconds); stops at anything not bytes."""
+    if not (queue and isinstance(queue[0], bytes)):
+        return piece
+    pieces = [piece]
+    while queue and isinstance(queue[0], bytes):
+        pieces.append(queue.popleft())
+    return b"".join(pieces)
+
+
 class UpstreamResponse:
     """A response being received; iterate :meth:`chunks` or call :meth:`read`, then always :meth:`aclose`."""
 
@@ -123,13 +134,7 @@ class UpstreamResponse:
             if item is _EOF:
                 self._done = True
                 return
-            ready = self._conn.items
-            if ready and isinstance(ready[0], bytes):
-                pieces = [item]
-                while ready and isinstance(ready[0], bytes):
-                    pieces.append(ready.popleft())
-                item = b"".join(pieces)  # type: ignore[arg-type]
-            yield item  # type: ignore[misc]
+            yield with_queued(item, self._conn.items)  # type: ignore[arg-type]
 
     async def read(self) -> bytes:
         """The whole body (read once; later calls return it again)."""

@@ -4,7 +4,12 @@
 # project, the base, the shared policy (trained on both projects' traffic) and the project's own adapter are
 # evaluated on that project's held-out code (paired), and the canary isolation is measured on beta's code before
 # and after (tools/project_canary.py).
-# Usage: [EVAL_LIMIT=150] [CONCURRENCY=2] [BETA_CORPUS=dir] tools/run_projects_demo.sh [DURATION_SECONDS=3600] [STATE_DIR=.onlinerl-projects]
+# Each project's simulated users Tab by their own habit (onlinerl/loop/user_model.py), the same in training and in
+# evaluation: alpha's team takes a line at a time (a multi-line block is dismissed), beta's team only suggestions of
+# 20+ characters or the whole middle. Projects that want different things are what an adapter of their own is for;
+# ALPHA_USERS= BETA_USERS= (empty) gives both the default user, the run of 2026-11-28 (docs/demo.md "Two projects").
+# Usage: [EVAL_LIMIT=150] [CONCURRENCY=2] [BETA_CORPUS=dir] [ALPHA_USERS=...] [BETA_USERS=...]
+#        tools/run_projects_demo.sh [DURATION_SECONDS=3600] [STATE_DIR=.onlinerl-projects]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-3600}
@@ -13,6 +18,9 @@ CONFIG=${CONFIG:-configs/projects-demo.yaml}
 EVAL_LIMIT=${EVAL_LIMIT:-150}
 CONCURRENCY=${CONCURRENCY:-2}
 BIN=.venv/bin
+ALPHA_USERS=${ALPHA_USERS---single-line}
+BETA_USERS=${BETA_USERS---min-prefix-chars 20}
+users_of() { if [ "$1" = alpha ]; then echo "$ALPHA_USERS"; else echo "$BETA_USERS"; fi; }
 make setup
 BETA_CORPUS=${BETA_CORPUS:-$($BIN/python -c 'import networkx, os; print(os.path.dirname(networkx.__file__))')}
 mkdir -p "$STATE"
@@ -30,7 +38,7 @@ SIMS=()
 for P in alpha beta; do
   $BIN/onlinerl simulate --state "$STATE" --tenant $P --data "$STATE/data-$P" --duration "$DURATION" \
     --requests 1000000 --concurrency "$CONCURRENCY" --max-tokens 32 --max-prefix-chars 600 --seed $([ $P = alpha ] && echo 1 || echo 2) \
-    --timeline "$STATE/timeline-$P.jsonl" > "$STATE/simulate-$P.txt" 2>&1 &
+    --timeline "$STATE/timeline-$P.jsonl" $(users_of $P) > "$STATE/simulate-$P.txt" 2>&1 &
   SIMS+=($!)
 done
 wait "${SIMS[@]}"
@@ -40,7 +48,7 @@ for P in alpha beta; do
   # the base, the shared policy's newest (trained on both projects) and the project's own newest, each once
   $BIN/onlinerl eval --state "$STATE" --tenant $P --data "$STATE/data-$P" --versions "0,latest,$P:latest" \
     --limit "$EVAL_LIMIT" --concurrency 4 --max-tokens 32 --max-prefix-chars 600 --out "$STATE/eval-$P" \
-    --timeline "$STATE/timeline-$P.jsonl" | tee "$STATE/eval-$P.txt"
+    --timeline "$STATE/timeline-$P.jsonl" $(users_of $P) | tee "$STATE/eval-$P.txt"
 done
 $BIN/python tools/project_canary.py measure --state "$STATE" --data "$STATE/data-beta" --own "$STATE/data-alpha" --lines alpha,beta \
   --out "$STATE/canary-after.json"

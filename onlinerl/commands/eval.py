@@ -9,8 +9,12 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from onlinerl.commands.simulate import add_client_args, make_client_factory
+from onlinerl.commands.simulate import accept_rule, add_client_args, make_client_factory
+
+if TYPE_CHECKING:
+    from onlinerl.loop.user_model import AcceptRule
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -141,7 +145,7 @@ def held_versions(cfg, versions: list[int], timeout_s: float = 180.0, line: str 
 
 def _eval(args: argparse.Namespace) -> int:
     if args.from_results is not None:
-        return _report_from_results(args.from_results, args.out)
+        return _report_from_results(args.from_results, args.out, accept_rule(args))
     cfg, samples, factory = make_client_factory(args, "test")
     runs = resolve_line_versions(
         args.versions,
@@ -185,7 +189,7 @@ def _run_eval(args, cfg, samples, factory, runs_wanted: list[tuple[str, int]], o
                 f.write(json.dumps(r.__dict__) + "\n")
         if args.judge_url:
             judged[name] = asyncio.run(_judge_all(args, samples, run.records))
-    write_report(runs, out, judged)
+    write_report(runs, out, judged, accept_rule(args))
     timeline = args.timeline or args.state / "timeline.jsonl"
     if timeline.is_file():
         from onlinerl.loop.plots import plot_accept_rate
@@ -196,15 +200,18 @@ def _run_eval(args, cfg, samples, factory, runs_wanted: list[tuple[str, int]], o
     return 0
 
 
-def write_report(runs: dict, out: Path, judged: dict | None = None) -> str:
-    """Per-version figures and, for each version after the first, its paired comparison with the first.
+def write_report(runs: dict, out: Path, judged: dict | None = None, rule: AcceptRule | None = None) -> str:
+    """Per-version figures and, for each version after the first, its paired comparison with the first, each
+    completion judged by ``rule`` (the simulated users' Tab rule; default: ``AcceptRule()``).
 
     Writes ``comparison.md`` and ``summary.json`` under ``out``; returns the markdown (also printed).
     """
     from onlinerl.loop.eval_metrics import compare, comparison_table, outcome, paired_table, summarize
+    from onlinerl.loop.user_model import AcceptRule
 
     judged = judged or {}
-    summaries = {name: summarize(records) for name, records in runs.items()}
+    rule = rule or AcceptRule()
+    summaries = {name: summarize(records, rule) for name, records in runs.items()}
     table = comparison_table(summaries)
     if judged:
         table += (
@@ -213,7 +220,7 @@ def write_report(runs: dict, out: Path, judged: dict | None = None) -> str:
             + " |"
         )
     names = list(runs)
-    outcomes = {name: [outcome(r) for r in records] for name, records in runs.items()}
+    outcomes = {name: [outcome(r, rule) for r in records] for name, records in runs.items()}
     comparisons = [compare(names[0], outcomes[names[0]], name, outcomes[name]) for name in names[1:]]
     text = "\n\n".join([table, *(paired_table(c) for c in comparisons)])
     out.mkdir(parents=True, exist_ok=True)
@@ -230,8 +237,9 @@ def write_report(runs: dict, out: Path, judged: dict | None = None) -> str:
     return text
 
 
-def _report_from_results(results: Path, out: Path | None) -> int:
-    """Recompute the report from a finished evaluation's ``v<N>.jsonl`` files: no stack, no model.
+def _report_from_results(results: Path, out: Path | None, rule: AcceptRule) -> int:
+    """Recompute the report from a finished evaluation's ``v<N>.jsonl`` files: no stack, no model. ``rule`` may differ
+    from the one the evaluation was first reported with: the records hold what was shown, not the verdict.
 
     The lowest version is the base every other one is compared with.
     """
@@ -252,7 +260,7 @@ def _report_from_results(results: Path, out: Path | None) -> int:
             except ValueError as exc:
                 raise CommandError(f"--from-results: {path}:{n} is not an eval record ({exc})") from None
         runs[path.stem] = records
-    write_report(runs, out or results)
+    write_report(runs, out or results, rule=rule)
     return 0
 
 

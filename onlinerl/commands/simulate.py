@@ -7,8 +7,12 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from onlinerl.loop.local import DEFAULT_STATE
+
+if TYPE_CHECKING:
+    from onlinerl.loop.user_model import AcceptRule
 
 
 def add_client_args(p: argparse.ArgumentParser, split: str = "train") -> None:
@@ -37,6 +41,25 @@ def add_client_args(p: argparse.ArgumentParser, split: str = "train") -> None:
         default=1200,
         help="keep this many characters before the cursor (Continue's maxPromptTokens, in chars)",
     )
+    # The simulated user's Tab rule (onlinerl/loop/user_model.py): simulate decides by it, eval judges by it, so a
+    # project whose users Tab differently is evaluated by the users it trained on.
+    p.add_argument(
+        "--min-prefix-chars",
+        type=int,
+        default=4,
+        help="a correct prefix of the middle is accepted from this many characters (or when it is the whole middle)",
+    )
+    p.add_argument("--min-similarity", type=float, default=0.8, help="or when this similar to the middle's first line")
+    p.add_argument(
+        "--single-line", action="store_true", help="the users dismiss every multi-line suggestion (they Tab a line)"
+    )
+
+
+def accept_rule(args: argparse.Namespace) -> AcceptRule:
+    """The simulated users' Tab rule from the client arguments (``add_client_args``)."""
+    from onlinerl.loop.user_model import AcceptRule
+
+    return AcceptRule(args.min_prefix_chars, args.min_similarity, args.single_line)
 
 
 DEFAULT_REQUESTS = 100
@@ -75,8 +98,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--reject-window", type=float, default=10.0, help="seconds before a reject is reported (Continue: 10)"
     )
     p.add_argument("--accept-delay", type=float, default=0.3)
-    p.add_argument("--min-prefix-chars", type=int, default=4)
-    p.add_argument("--min-similarity", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeline", type=Path, default=None, help="JSONL timeline (default: <state>/timeline.jsonl)")
     p.set_defaults(func=_simulate)
@@ -126,7 +147,6 @@ def make_client_factory(args: argparse.Namespace, split: str):
 def _simulate(args: argparse.Namespace) -> int:
     from onlinerl.loop.local import local_user_keys
     from onlinerl.loop.simulate import SimulateOptions, simulate
-    from onlinerl.loop.user_model import AcceptRule
 
     _, samples, factory = make_client_factory(args, "train")
     users = args.users or len(local_user_keys(args.state, args.api_key))
@@ -139,7 +159,7 @@ def _simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         duration_s=args.duration,
         max_prefix_chars=args.max_prefix_chars,
-        rule=AcceptRule(args.min_prefix_chars, args.min_similarity),
+        rule=accept_rule(args),
     )
     timeline = args.timeline or args.state / "timeline.jsonl"
     totals = asyncio.run(_until_signalled(simulate, samples, factory, opts, timeline))

@@ -3,6 +3,10 @@
 Pure functions, so the rule the demonstration is judged by is explicit and tested. Default rule: accept when the
 shown text (trimmed) is non-empty and either a prefix of the true middle of at least ``min_prefix_chars`` characters
 (or the whole middle), or within edit similarity ``min_similarity`` of the middle's first line.
+
+Users differ in what they Tab, and so do projects' teams: a team that takes one line at a time dismisses every
+multi-line block (``single_line``); a team that takes only suggestions worth the glance dismisses a few characters
+(a higher ``min_prefix_chars``). Per-project adapters exist for such differences (docs/demo.md, "Two projects").
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from onlinerl.loop.continue_filters import continue_shown
 class AcceptRule:
     min_prefix_chars: int = 4
     min_similarity: float = 0.8
+    single_line: bool = False
 
 
 def continue_postprocess(completion: str, prefix: str, suffix: str) -> str:
@@ -44,7 +49,7 @@ def first_line(text: str) -> str:
 def decide(shown: str, middle: str, rule: AcceptRule = AcceptRule()) -> bool:
     """True when the simulated user accepts ``shown`` for the true ``middle``."""
     s = shown.strip()
-    if not s:
+    if not s or (rule.single_line and "\n" in s):
         return False
     m = middle.strip()
     if m.startswith(s) and (len(s) >= rule.min_prefix_chars or s == m):

@@ -204,6 +204,21 @@ def test_eval_from_results_recomputes_the_report(tmp_path):
     assert cmp["mcnemar_accepted"]["only_candidate"] == 3
 
 
+def test_eval_from_results_judges_by_the_users_rule(tmp_path):
+    """The records hold what was shown, not the verdict: the same run re-judged by users who dismiss short
+    suggestions accepts fewer, and the report says so (a project is evaluated by the users it trained on)."""
+    _write_run(tmp_path / "v0.jsonl", BASE)
+    _write_run(tmp_path / "v12.jsonl", BRIEF)
+    default = _cli("eval", "--from-results", str(tmp_path), "--out", str(tmp_path / "default"))
+    strict = _cli(
+        "eval", "--from-results", str(tmp_path), "--out", str(tmp_path / "strict"), "--min-prefix-chars", "40"
+    )
+    assert default.returncode == 0 and strict.returncode == 0, default.stderr + strict.stderr
+    before = json.loads((tmp_path / "default" / "summary.json").read_text())["v12"]["accepted"]
+    after = json.loads((tmp_path / "strict" / "summary.json").read_text())["v12"]["accepted"]
+    assert before > after
+
+
 def test_eval_from_results_hostile_inputs(tmp_path):
     proc = _cli("eval", "--from-results", str(tmp_path))
     assert proc.returncode == 2 and "--from-results: no v<N>.jsonl files" in proc.stderr

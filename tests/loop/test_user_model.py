@@ -32,6 +32,18 @@ def test_short_middle_accepted_whole():
     assert not decide("x", "xy", AcceptRule(min_prefix_chars=4, min_similarity=0.99))
 
 
+def test_team_habits_change_the_verdict():
+    """A team that Tabs a line at a time dismisses a correct block; one that Tabs only what is worth the glance
+    dismisses a correct few characters, yet still takes a short middle whole."""
+    one_line = AcceptRule(single_line=True)
+    assert decide("result = compute(a, b)", MIDDLE, one_line)
+    assert not decide(MIDDLE, MIDDLE, one_line) and decide(MIDDLE, MIDDLE)
+    worth_it = AcceptRule(min_prefix_chars=20)
+    assert not decide("result = ", MIDDLE, worth_it) and decide("result = ", MIDDLE)
+    assert decide("result = compute(a, ", MIDDLE, worth_it)  # 20 characters
+    assert decide("x = 1", "x = 1", worth_it)  # the whole middle
+
+
 def test_shown_text_trims_like_continue():
     assert shown_text("foo()  \n\n") == "foo()"
     assert shown_text(" \n ") == ""

@@ -41,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="recompute the report from the v<N>.jsonl files an earlier `onlinerl eval` wrote (no stack needed; "
         "the lowest version is the base)",
     )
+    p.add_argument(
+        "--runs",
+        default=None,
+        help="with --from-results: the runs to compare, in order, by the names of their files (e.g. v22,alpha-v15 "
+        "compares project alpha's adapter with the shared v22 on the same samples); the first is the base",
+    )
     p.set_defaults(func=_eval)
 
 
@@ -145,7 +151,7 @@ def held_versions(cfg, versions: list[int], timeout_s: float = 180.0, line: str 
 
 def _eval(args: argparse.Namespace) -> int:
     if args.from_results is not None:
-        return _report_from_results(args.from_results, args.out, accept_rule(args))
+        return _report_from_results(args.from_results, args.out, accept_rule(args), args.runs)
     cfg, samples, factory = make_client_factory(args, "test")
     runs = resolve_line_versions(
         args.versions,
@@ -237,16 +243,26 @@ def write_report(runs: dict, out: Path, judged: dict | None = None, rule: Accept
     return text
 
 
-def _report_from_results(results: Path, out: Path | None, rule: AcceptRule) -> int:
+def _report_from_results(results: Path, out: Path | None, rule: AcceptRule, names: str | None = None) -> int:
     """Recompute the report from a finished evaluation's ``v<N>.jsonl`` files: no stack, no model. ``rule`` may differ
     from the one the evaluation was first reported with: the records hold what was shown, not the verdict.
-
-    The lowest version is the base every other one is compared with.
+    The lowest version is the base every other one is compared with; ``names`` (comma list of file stems, e.g.
+    ``v22,alpha-v15``) picks the runs and their order instead, the first being the base.
     """
     from onlinerl.errors import CommandError
     from onlinerl.loop.eval_metrics import record_from_dict
 
-    files = sorted((p for p in results.glob("v*.jsonl") if p.stem[1:].isdigit()), key=lambda p: int(p.stem[1:]))
+    if names:
+        files = [results / f"{name.strip()}.jsonl" for name in names.split(",") if name.strip()]
+        missing = [p.name for p in files if not p.is_file() or p.parent != results]
+        if missing or len(files) < 2:
+            have = ", ".join(sorted(p.stem for p in results.glob("*.jsonl"))) or "none"
+            raise CommandError(
+                f"--runs {names}: give two or more runs of {results} by name (missing: {missing or 'none'}; "
+                f"there: {have})"
+            )
+    else:
+        files = sorted((p for p in results.glob("v*.jsonl") if p.stem[1:].isdigit()), key=lambda p: int(p.stem[1:]))
     if not files:
         raise CommandError(f"--from-results: no v<N>.jsonl files in {results} (the directory `onlinerl eval` wrote)")
     runs = {}

@@ -219,6 +219,21 @@ def test_eval_from_results_judges_by_the_users_rule(tmp_path):
     assert before > after
 
 
+def test_eval_from_results_runs_picks_the_base(tmp_path):
+    """--runs compares any two runs of one evaluation (a project's adapter with the shared policy), the first the
+    base; a name that is not a run there, or a path out of it, says which runs there are."""
+    _write_run(tmp_path / "v0.jsonl", BASE)
+    _write_run(tmp_path / "alpha-v12.jsonl", BRIEF)
+    _write_run(tmp_path / "v7.jsonl", BASE)
+    proc = _cli("eval", "--from-results", str(tmp_path), "--runs", "v7,alpha-v12", "--out", str(tmp_path / "cmp"))
+    assert proc.returncode == 0, proc.stderr
+    (cmp,) = json.loads((tmp_path / "cmp" / "summary.json").read_text())["comparisons"]
+    assert (cmp["base"], cmp["candidate"], cmp["pairs"]) == ("v7", "alpha-v12", 4)
+    for bad in ("v7,beta-v3", "v7", "v7,../v0"):
+        proc = _cli("eval", "--from-results", str(tmp_path), "--runs", bad)
+        assert proc.returncode == 2 and "there: alpha-v12, v0, v7" in proc.stderr, proc.stderr
+
+
 def test_eval_from_results_hostile_inputs(tmp_path):
     proc = _cli("eval", "--from-results", str(tmp_path))
     assert proc.returncode == 2 and "--from-results: no v<N>.jsonl files" in proc.stderr

@@ -50,7 +50,13 @@ def start(n: int, state: Path, model: Path, ckpt: Path, gateway_mode: str = "sid
         {
             "job": JOB,
             "model": {"path": str(model), "maxModelLen": 1024},
-            "serving": {"host": "127.0.0.1", "port": free_port(), "replicas": n, "gatewayMode": gateway_mode},
+            "serving": {
+                "host": "127.0.0.1",
+                "port": free_port(),
+                "engineUrl": f"http://127.0.0.1:{free_port()}",  # beside a running stack on the default ports
+                "replicas": n,
+                "gatewayMode": gateway_mode,
+            },
             "rollout": {"strategy": "direct"},
             "storage": {"checkpointDir": str(ckpt)},
         }
@@ -59,10 +65,17 @@ def start(n: int, state: Path, model: Path, ckpt: Path, gateway_mode: str = "sid
     return start_stack(cfg, state, build_data=False, ports=ports, serving_only=True, on_step=lambda m: None)
 
 
-def latency(stack: Stack, n: int, warmup: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
+def latency(
+    stack: Stack, n: int, warmup: int, max_tokens: int, gap_s: float = 0.0
+) -> dict[str, dict[str, list[float]]]:
     """Per path: non-stream total, stream TTFT (first event with text) and stream total, requests interleaved.
     Every path sends the same Continue-shaped body at the gateway's exploration temperature (serving_latency.body):
-    at temperature 0 vLLM alone decoded other text than the gateway served (bench/RESULTS.md, 2026-11-28)."""
+    at temperature 0 vLLM alone decoded other text than the gateway served (bench/RESULTS.md, 2026-11-28).
+
+    With N > 1, ``front`` (the balancer) is timed in a block of its own, against ``direct`` again: interleaved with
+    the others, its request to the other replica was still finishing (that replica's record reply, the balancer's
+    teardown) when the next path's request started, and in alternating order that next path was always ``gateway``
+    (bench/RESULTS.md, 2026-12-05)."""
     rep = stack.replicas[0]
     auth = {"content-type": "application/json", "authorization": f"Bearer {stack.api_key}"}
     plain = {"content-type": "application/json"}
@@ -72,19 +85,27 @@ def latency(stack: Stack, n: int, warmup: int, max_tokens: int) -> dict[str, dic
         ("direct+cap", engine, plain, True),  # the body the gateway sends vLLM: the gateway's own share is over it
         ("gateway", f"{rep.gateway_url}/v1/completions", auth, False),
     ]
-    if len(stack.replicas) > 1:
-        paths.append(("front", f"http://127.0.0.1:{stack.cfg.serving.port}/v1/completions", auth, False))
     served = stack.cfg.model.served_name
     bodies = {
         (stream, cap): serving_latency.payload(stream, max_tokens, cap, served)
         for stream in (False, True)
         for cap in (False, True)
     }
-    by_mode = {
-        stream: [(name, url, bodies[stream, cap], headers) for name, url, headers, cap in paths]
-        for stream in (False, True)
-    }
-    return serving_latency.interleave(by_mode, n, warmup)
+
+    def timed(chosen: list[tuple[str, str, dict, bool]]) -> dict[str, dict[str, list[float]]]:
+        by_mode = {
+            stream: [(name, url, bodies[stream, cap], headers) for name, url, headers, cap in chosen]
+            for stream in (False, True)
+        }
+        return serving_latency.interleave(by_mode, n, warmup, gap_s)
+
+    out = timed(paths)
+    if len(stack.replicas) > 1:
+        front = ("front", f"http://127.0.0.1:{stack.cfg.serving.port}/v1/completions", auth, False)
+        block = timed([paths[0], front])
+        out["front"] = block["front"]
+        out["direct (front block)"] = block["direct"]
+    return out
 
 
 def switch_times(stack: Stack, paths: dict[int, Path], first: int, count: int) -> list[float]:
@@ -110,6 +131,23 @@ def switch_times(stack: Stack, paths: dict[int, Path], first: int, count: int) -
 pct, paired_median = serving_latency.pct, serving_latency.paired_median
 
 
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU seconds (user + system) each child of the stack, with its own children, has used so far: read before and
+    after the latency phase, it says which process paid for the measured requests (CPU time is not inflated by a
+    noisy box, wall time is)."""
+    import psutil
+
+    out = {}
+    for child in stack.children:
+        try:
+            procs = [psutil.Process(child.pid)]
+            procs += procs[0].children(recursive=True)
+            out[child.name] = sum(sum(p.cpu_times()[:2]) for p in procs)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
 def report(results: dict) -> str:
     rows = [
         "| replicas | path | non-stream total p50 ms | added vs direct ms | vs direct+cap ms | stream total p50 ms | "
@@ -118,7 +156,11 @@ def report(results: dict) -> str:
     ]
     for n, res in results["latency"].items():
         for name, m in res.items():
+            if name == "direct (front block)":
+                continue
             direct, cap = res["direct"], res.get("direct+cap", res["direct"])
+            if name == "front" and "direct (front block)" in res:  # timed in its own block, against direct there
+                direct = cap = res["direct (front block)"]
             added_ns = paired_median(m["total"], direct["total"]) * 1e3
             over_cap_ns = paired_median(m["total"], cap["total"]) * 1e3
             added = paired_median(m["stream_total"], direct["stream_total"]) * 1e3
@@ -128,6 +170,10 @@ def report(results: dict) -> str:
                 f"{pct(m['stream_total'], 0.5) * 1e3:.2f} | {pct(m['stream_total'], 0.95) * 1e3:.2f} | {added:+.2f} | "
                 f"{over_cap:+.2f} | {pct(m['ttft'], 0.5) * 1e3:.2f} |"
             )
+    if results.get("cpu_s"):
+        rows += ["", "| replicas | CPU seconds each process used in the latency phase |", "|---|---|"]
+        for n, used in results["cpu_s"].items():
+            rows.append(f"| {n} | {', '.join(f'{k} {v:.2f}' for k, v in sorted(used.items()))} |")
     rows += ["", "| replicas | announce -> table switched, s (each switch) | median s |", "|---|---|---|"]
     for n, times in results["switch"].items():
         rows.append(f"| {n} | {', '.join(f'{t:.2f}' for t in times)} | {statistics.median(times):.2f} |")
@@ -135,7 +181,8 @@ def report(results: dict) -> str:
     if "1" in lat and "2" in lat:
         g1 = paired_median(lat["1"]["gateway"]["stream_total"], lat["1"]["direct"]["stream_total"])
         g2 = paired_median(lat["2"]["gateway"]["stream_total"], lat["2"]["direct"]["stream_total"])
-        f2 = paired_median(lat["2"]["front"]["stream_total"], lat["2"]["direct"]["stream_total"])
+        front_direct = lat["2"].get("direct (front block)", lat["2"]["direct"])
+        f2 = paired_median(lat["2"]["front"]["stream_total"], front_direct["stream_total"])
         rows += [
             "",
             f"Ratios (same run): gateway-added latency 2 replicas / 1 = {g2 / g1:.2f}; "
@@ -153,6 +200,13 @@ def main() -> int:
     ap.add_argument("--switches", type=int, default=3, help="versions announced per phase")
     ap.add_argument("--replicas", default="1,2", help="phases, in order")
     ap.add_argument("--json", type=Path, default=None, help="write the raw figures here")
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="pause before each request (serving_latency.interleave): what one server does after its response "
+        "then never lands on the next request",
+    )
     ap.add_argument(
         "--gateway-mode",
         choices=("sidecar", "inProcess"),
@@ -181,7 +235,10 @@ def main() -> int:
             stack = start(n, Path(tmp) / f"state-{n}", model, ckpt, args.gateway_mode)
             try:
                 results["load_1m"].append(os.getloadavg()[0])
-                results["latency"][str(n)] = latency(stack, args.n, args.warmup, args.max_tokens)
+                before = cpu_seconds(stack)
+                results["latency"][str(n)] = latency(stack, args.n, args.warmup, args.max_tokens, args.gap_ms / 1e3)
+                after = cpu_seconds(stack)
+                results.setdefault("cpu_s", {})[str(n)] = {k: after[k] - before[k] for k in after if k in before}
                 results["switch"][str(n)] = switch_times(stack, paths, 1, args.switches)
                 results["load_1m"].append(os.getloadavg()[0])
             finally:

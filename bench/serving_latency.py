@@ -166,11 +166,15 @@ def run(
 
 
 def interleave(
-    paths: dict[bool, list[tuple[str, str, bytes, dict]]], n: int, warmup: int
+    paths: dict[bool, list[tuple[str, str, bytes, dict]]], n: int, warmup: int, gap_s: float = 0.0
 ) -> dict[str, dict[str, list[float]]]:
     """Time every path (name, url, body, headers) ``warmup + n`` rounds, non-stream then stream, in alternating
     order (so machine noise hits all alike): per path name, ``total`` (non-stream), ``ttft`` and ``stream_total``
-    in seconds, warm-up rounds dropped. Shared with bench/replicas.py."""
+    in seconds, warm-up rounds dropped. Shared with bench/replicas.py.
+
+    ``gap_s``: a pause before each request, so the work a server does after its response (a record's reply, a
+    balancer's teardown) does not land on the next path's request. Continue sends one request per keystroke after a
+    debounce of 350 ms, so a user's own requests never follow each other that closely."""
     out: dict[str, dict[str, list[float]]] = {
         name: {"total": [], "ttft": [], "stream_total": []} for name, *_ in paths[True]
     }
@@ -179,6 +183,8 @@ def interleave(
             for stream in (False, True):
                 order = paths[stream] if i % 2 == 0 else list(reversed(paths[stream]))
                 for name, url, payload, headers in order:
+                    if gap_s:
+                        time.sleep(gap_s)
                     ttft, total = timed(client, url, payload, headers, stream)
                     if i < warmup:
                         continue

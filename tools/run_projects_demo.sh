@@ -49,6 +49,11 @@ for P in alpha beta; do
   $BIN/onlinerl eval --state "$STATE" --tenant $P --data "$STATE/data-$P" --versions "0,latest,$P:latest" \
     --limit "$EVAL_LIMIT" --concurrency 4 --max-tokens 32 --max-prefix-chars 600 --out "$STATE/eval-$P" \
     --timeline "$STATE/timeline-$P.jsonl" $(users_of $P) | tee "$STATE/eval-$P.txt"
+  # the bar: the project's adapter against the shared policy, paired on the same samples, judged by the same users
+  SHARED=$(cd "$STATE/eval-$P" && ls v*.jsonl | grep -v '^v0\.jsonl$' | sed 's/\.jsonl$//' | head -1)
+  OWN=$(cd "$STATE/eval-$P" && ls "$P"-v*.jsonl | sed 's/\.jsonl$//' | head -1)
+  $BIN/onlinerl eval --from-results "$STATE/eval-$P" --runs "$SHARED,$OWN" --out "$STATE/eval-$P/own-vs-shared" \
+    $(users_of $P) | tee "$STATE/eval-$P-own-vs-shared.txt"
 done
 $BIN/python tools/project_canary.py measure --state "$STATE" --data "$STATE/data-beta" --own "$STATE/data-alpha" --lines alpha,beta \
   --out "$STATE/canary-after.json"

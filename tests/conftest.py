@@ -21,7 +21,7 @@ from onlinerl import compile_cache
 from onlinerl import valkey as valkey_module
 from onlinerl.valkey import EmbeddedValkey
 from tests.engines import PLAN, EnginePool, SharedEngine
-from tests.lanes import engine_worker, needs_vllm, worker_port_range, write_lane
+from tests.lanes import engine_worker, needs_vllm, worker_port_range, write_lane, yield_to_the_engine_lane
 
 # One torch thread per process: tests share 2 cores with servers they start.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -151,6 +151,10 @@ def smollm2_engine(request: pytest.FixtureRequest) -> SharedEngine:
 
 def _module_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    yield_to_the_engine_lane()
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:

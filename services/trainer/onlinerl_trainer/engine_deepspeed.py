@@ -2,7 +2,8 @@
 
 Without a launcher, DeepSpeed would try MPI discovery (and fail without mpi4py), so a single process sets the
 torch.distributed rendezvous variables itself. Under the DeepSpeed launcher (multi-GPU) they are already set.
-The first initialisation JIT-compiles DeepSpeed's shared-memory comm op into ~/.cache/torch_extensions (~60 s once).
+DeepSpeed's comm backend would JIT-compile its shared-memory comm op at the first initialisation (g++, about 65 s of
+one core, per Python environment): :func:`skip_shm_comm_op` turns that off, since training never uses it.
 The client optimizer is the same AdamW as the torch backend, so both backends take the same step on the same batch.
 """
 
@@ -34,6 +35,22 @@ def ensure_single_process_env() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
 
 
+SHM_COMM_OP = "deepspeed_shm_comm"  # deepspeed.ops.op_builder.cpu.comm.ShareMemCommBuilder.NAME
+
+
+def skip_shm_comm_op() -> None:
+    """Tell DeepSpeed its shared-memory comm op is not available, so its comm backend does not build it.
+
+    Why: DeepSpeed's ``TorchBackend`` builds that op at every process's first initialisation, with g++, into
+    ~/.cache/torch_extensions (about 65 s of one core on our 2-core machines, again for every new environment: each
+    fresh pod, each clean checkout's ``make test``), and it needs a compiler in the image. The op serves only
+    ``inference_all_reduce`` (tensor-parallel inference); training's collectives are torch.distributed's (gloo on
+    CPU, NCCL on GPUs) whether it is built or not."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # the probed table DeepSpeed's build_shm_op consults
+
+
 def deepspeed_config(cfg: TrainerConfig, on_gpu: bool) -> dict[str, Any]:
     """Pure: the DeepSpeed config dict. Gradient accumulation is driven by us (explicit boundaries), so gas = 1."""
     return {
@@ -55,6 +72,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         ensure_single_process_env()
+        skip_shm_comm_op()
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             module = module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))

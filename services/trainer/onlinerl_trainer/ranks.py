@@ -44,7 +44,10 @@ class Ranks:
             import deepspeed
             import torch.distributed as dist
 
+            from onlinerl_trainer.engine_deepspeed import skip_shm_comm_op
+
             if not dist.is_initialized():
+                skip_shm_comm_op()
                 deepspeed.init_distributed()
 
     def broadcast(self, command: Command | None) -> Command:

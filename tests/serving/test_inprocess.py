@@ -303,3 +303,59 @@ def test_a_client_that_leaves_reaches_the_handler_through_its_own_receive() -> N
         assert await resp.read() and not resp.client_left
 
     run(go())
+
+
+def test_post_whole_runs_the_handler_in_the_callers_task_with_the_same_contract() -> None:
+    """The gateway's non-streaming path (``post_whole``): vLLM's handler runs in the gateway's own task, to its end.
+    The same answers as ``post``: status, headers and body whole; an app error is EngineUnavailable and silence a
+    timeout that ends the handler; a client that leaves reaches the handler and is reported; a cancelled caller
+    cancels the handler (which sees it, as vLLM aborts on cancellation)."""
+
+    async def go() -> None:
+        fake = FakeVllm()
+        app = fake.app()
+        engine = InProcessEngine(app, read_timeout=0.3)
+        engine.app_scope = {"app": app}
+        stays = asyncio.Event()
+
+        async def client_receive() -> dict:
+            await stays.wait()
+            return {"type": "http.disconnect"}
+
+        tasks_before = len(asyncio.all_tasks())
+        resp = await engine.post_whole("/v1/completions", b'{"prompt": "x"}', client_receive)
+        assert resp.status_code == 200 and (b"x-engine", b"1") in resp.headers and not resp.client_left
+        assert await resp.read() == b'{"echo":"{\\"prompt\\": \\"x\\"}"}'
+        await resp.aclose()
+        assert len(asyncio.all_tasks()) <= tasks_before + 1  # no task of its own (Starlette's listener at most)
+        assert fake.app_seen == [app]
+
+        raw = InProcessEngine(app.router, read_timeout=0.3)
+        with pytest.raises(EngineUnavailable, match="engine core died"):
+            await raw.post_whole("/boom", b"{}", client_receive)
+        with pytest.raises(EngineTimeout):
+            await engine.post_whole("/silent", b"{}", client_receive)
+
+        leaves = asyncio.Event()
+
+        async def leaving_receive() -> dict:
+            await leaves.wait()
+            return {"type": "http.disconnect"}
+
+        slow = InProcessEngine(app, read_timeout=5)
+        task = asyncio.ensure_future(slow.post_whole("/wait", b"{}", leaving_receive))
+        await asyncio.sleep(0.05)
+        assert not fake.disconnect_seen.is_set()
+        leaves.set()
+        resp = await asyncio.wait_for(task, 5)
+        assert fake.disconnect_seen.is_set() and resp.client_left
+
+        fake.disconnect_seen.clear()
+        task = asyncio.ensure_future(slow.post_whole("/wait", b"{}", client_receive))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the gateway's task is cancelled (server shutdown): the handler ends with it
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(fake.disconnect_seen.wait(), 5)
+
+    run(go())

@@ -300,6 +300,18 @@ class Gateway:
             raise
         return resp
 
+    async def _open_whole(self, body: bytes, receive: Receive) -> EngineResponse:
+        """In vLLM's process, non-streaming: the whole response, from vLLM's handler run in this task."""
+        try:
+            return await self.pool.post_whole("/v1/completions", body, receive)
+        except EngineTimeout:
+            raise engine_timeout(self.cfg.serving.request_timeout_seconds) from None
+        except EngineUnavailable as exc:
+            self.state.engine_up = False
+            raise unavailable(
+                f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
+            ) from None
+
     async def _open_unless_client_leaves(self, body: bytes, receive: Receive | None) -> EngineResponse | None:
         """Streaming (no ``receive``): open the request. Non-streaming: open and read it all, unless the client
         disconnects first; then the connection is closed unread, so vLLM aborts instead of finishing for nobody."""
@@ -307,8 +319,9 @@ class Gateway:
             return await self._open_upstream(body)
         if self.pool.relays_client_disconnect:
             # In vLLM's process: vLLM's handler watches the client's own receive, as it watches its socket, and
-            # aborts when the client leaves; no watcher tasks here (each costs a turn of vLLM's busy loop).
-            resp = await self._open_and_read(body, receive)
+            # aborts when the client leaves; no watcher tasks here (each costs a turn of vLLM's busy loop), and vLLM's
+            # handler runs in this task (InProcessEngine.post_whole).
+            resp = await self._open_whole(body, receive)
             if resp.client_left:
                 await resp.aclose()
                 return None

@@ -204,6 +204,27 @@ class InProcessEngine:
     async def post(self, path: str, body: bytes, client_receive: Receive | None = None) -> InProcessResponse:
         return await self.request("POST", path, body, client_receive)
 
+    async def post_whole(self, path: str, body: bytes, client_receive: Receive) -> InProcessResponse:
+        """A non-streaming request, run to its end inside the caller's task: the response comes back whole.
+
+        Why not :meth:`post`: the gateway needs the whole body before it can record anything, and vLLM sends its
+        headers only when the generation is done. A task of its own for vLLM's handler, the wait for its headers and
+        the wait for its body each cost a turn of vLLM's event loop on the user's path; here there are none. The
+        client's leaving still reaches vLLM's handler through ``client_receive`` (it aborts, and ``client_left``
+        says so), and the engine's read timeout still applies."""
+        resp = InProcessResponse(self.read_timeout, body, client_receive)
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                await self.app(self._scope("POST", path, body), resp.receive, resp.send)
+        except TimeoutError:
+            raise EngineTimeout(f"no answer from the engine within {self.read_timeout:.0f} s") from None
+        except Exception as exc:
+            raise EngineUnavailable(f"the engine failed: {type(exc).__name__}: {exc}") from exc
+        resp._push(_EOF)  # the app returned: nothing more will come
+        if not resp.client_left:  # vLLM aborted for a client that left: whatever it answered, nobody reads it
+            await resp.wait_head()
+        return resp
+
     async def get_bytes(self, path: str) -> tuple[int, bytes]:
         resp = await self.request("GET", path, b"")
         try:

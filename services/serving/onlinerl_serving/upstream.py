@@ -173,6 +173,11 @@ class Engine(Protocol):
 
     async def post(self, path: str, body: bytes, client_receive: Any = None) -> EngineResponse: ...
 
+    async def post_whole(self, path: str, body: bytes, client_receive: Any) -> EngineResponse:
+        """A non-streaming request's whole response, the engine watching the client (only an engine that relays
+        the client's disconnect)."""
+        ...
+
     async def get_bytes(self, path: str) -> tuple[int, bytes]: ...
 
     def close(self) -> None: ...
@@ -234,6 +239,9 @@ class EnginePool:
         if client_receive is not None:
             raise ValueError("a socket engine cannot watch the client: relays_client_disconnect is False")
         return await self.request("POST", path, body)
+
+    async def post_whole(self, path: str, body: bytes, client_receive: Any) -> UpstreamResponse:
+        raise ValueError("a socket engine cannot watch the client: relays_client_disconnect is False")
 
     async def get_bytes(self, path: str) -> tuple[int, bytes]:
         """GET ``path``; ``(status, body)`` read to the end."""

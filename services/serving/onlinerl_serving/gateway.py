@@ -272,8 +272,12 @@ class Gateway:
         )
 
     async def _open_upstream(self, body: bytes, client_receive: Receive | None = None) -> EngineResponse:
+        """Open the request (its status and headers). With ``client_receive`` (an engine in this process that
+        watches the client itself), the whole response: vLLM's handler runs in this task (``post_whole``)."""
         try:
-            return await self.pool.post("/v1/completions", body, client_receive)
+            if client_receive is not None:
+                return await self.pool.post_whole("/v1/completions", body, client_receive)
+            return await self.pool.post("/v1/completions", body)
         except EngineTimeout:
             raise engine_timeout(self.cfg.serving.request_timeout_seconds) from None
         except EngineUnavailable as exc:
@@ -282,9 +286,9 @@ class Gateway:
                 f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
             ) from None
 
-    async def _open_and_read(self, body: bytes, client_receive: Receive | None = None) -> EngineResponse:
+    async def _open_and_read(self, body: bytes) -> EngineResponse:
         """Non-streaming: open the request and read the whole response (vLLM sends its headers only when done)."""
-        resp = await self._open_upstream(body, client_receive)
+        resp = await self._open_upstream(body)
         try:
             await resp.read()
         except EngineTimeout:
@@ -300,18 +304,6 @@ class Gateway:
             raise
         return resp
 
-    async def _open_whole(self, body: bytes, receive: Receive) -> EngineResponse:
-        """In vLLM's process, non-streaming: the whole response, from vLLM's handler run in this task."""
-        try:
-            return await self.pool.post_whole("/v1/completions", body, receive)
-        except EngineTimeout:
-            raise engine_timeout(self.cfg.serving.request_timeout_seconds) from None
-        except EngineUnavailable as exc:
-            self.state.engine_up = False
-            raise unavailable(
-                f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
-            ) from None
-
     async def _open_unless_client_leaves(self, body: bytes, receive: Receive | None) -> EngineResponse | None:
         """Streaming (no ``receive``): open the request. Non-streaming: open and read it all, unless the client
         disconnects first; then the connection is closed unread, so vLLM aborts instead of finishing for nobody."""
@@ -321,7 +313,7 @@ class Gateway:
             # In vLLM's process: vLLM's handler watches the client's own receive, as it watches its socket, and
             # aborts when the client leaves; no watcher tasks here (each costs a turn of vLLM's busy loop), and vLLM's
             # handler runs in this task (InProcessEngine.post_whole).
-            resp = await self._open_whole(body, receive)
+            resp = await self._open_upstream(body, receive)
             if resp.client_left:
                 await resp.aclose()
                 return None

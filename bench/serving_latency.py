@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import random
-import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ import httpx
 import orjson
 import yaml
 from baseline import checkout_of  # bench/ is sys.path[0] when run as a script
+from latency_stats import paired_median, pct
 from proc_cpu import cpu_seconds
 
 from onlinerl.auth import write_keys_file
@@ -117,11 +116,6 @@ def overhead_histogram(gateway_url: str) -> tuple[float, float]:
     return count, total
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 # --breakdown: the capture's parts one at a time, each added alone to the client's body (name -> fields).
 CAPTURE_PARTS = {
     "direct+logprobs0": {"logprobs": 0},
@@ -195,31 +189,6 @@ def interleave(
                     else:
                         out[name]["total"].append(total)
     return out
-
-
-def paired_median(a: list[float], b: list[float]) -> float:
-    """Median of per-round differences: rounds are adjacent in time, so slow phases of the box cancel out."""
-    return statistics.median(x - y for x, y in zip(a, b, strict=True))
-
-
-def paired_median_ci(
-    a: list[float], b: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """The paired median and its percentile-bootstrap interval (rounds resampled with replacement), seconds.
-
-    Why: on the 2-core VM the engine's own noise (stream p95 1.3-1.6x its p50) moves a paired median of 200 rounds by
-    about a millisecond from run to run. On 2026-12-06 its 95% intervals were 2-3 ms wide, wider than the gateway's
-    1 ms bar, so a point figure under or over the bar said little. Seeded: the same figures give the same interval."""
-    diffs = [x - y for x, y in zip(a, b, strict=True)]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    return statistics.median(diffs), medians[int(tail * resamples)], medians[int((1.0 - tail) * resamples) - 1]
-
-
-def against_bar(low: float, high: float, bar: float) -> str:
-    """``met`` when the whole interval is at or under ``bar``, ``missed`` when it is all over it, else ``open``."""
-    return "met" if high <= bar else "missed" if low > bar else "open"
 
 
 def table(res: dict[str, dict[str, list[float]]]) -> str:

@@ -5,9 +5,11 @@
 # evaluated on that project's held-out code (paired), and the canary isolation is measured on beta's code before
 # and after (tools/project_canary.py).
 # Each project's simulated users Tab by their own habit (onlinerl/loop/user_model.py), the same in training and in
-# evaluation: alpha's team takes a line at a time (a multi-line block is dismissed), beta's team only suggestions of
-# 20+ characters or the whole middle. Projects that want different things are what an adapter of their own is for;
-# ALPHA_USERS= BETA_USERS= (empty) gives both the default user, the run of 2026-11-28 (docs/demo.md "Two projects").
+# evaluation: alpha's team takes a line at a time (a multi-line block is dismissed), beta's team takes whole blocks
+# (a single line is dismissed; a block whose first line is right is taken). The two habits reward one decision, to
+# stop after the first line or to go on, in opposite directions: what a shared policy cannot serve both ways, and an
+# adapter of their own is for. BETA_USERS="--min-prefix-chars 20" gives the run of 2026-12-05; ALPHA_USERS=
+# BETA_USERS= (empty) gives both the default user, the run of 2026-11-28 (docs/demo.md "Two projects").
 # Usage: [EVAL_LIMIT=150] [CONCURRENCY=2] [BETA_CORPUS=dir] [ALPHA_USERS=...] [BETA_USERS=...]
 #        tools/run_projects_demo.sh [DURATION_SECONDS=3600] [STATE_DIR=.onlinerl-projects]
 set -euo pipefail
@@ -19,7 +21,7 @@ EVAL_LIMIT=${EVAL_LIMIT:-150}
 CONCURRENCY=${CONCURRENCY:-2}
 BIN=.venv/bin
 ALPHA_USERS=${ALPHA_USERS---single-line}
-BETA_USERS=${BETA_USERS---min-prefix-chars 20}
+BETA_USERS=${BETA_USERS---whole-blocks}
 users_of() { if [ "$1" = alpha ]; then echo "$ALPHA_USERS"; else echo "$BETA_USERS"; fi; }
 make setup
 BETA_CORPUS=${BETA_CORPUS:-$($BIN/python -c 'import networkx, os; print(os.path.dirname(networkx.__file__))')}

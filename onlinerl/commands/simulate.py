@@ -50,8 +50,14 @@ def add_client_args(p: argparse.ArgumentParser, split: str = "train") -> None:
         help="a correct prefix of the middle is accepted from this many characters (or when it is the whole middle)",
     )
     p.add_argument("--min-similarity", type=float, default=0.8, help="or when this similar to the middle's first line")
-    p.add_argument(
+    habit = p.add_mutually_exclusive_group()
+    habit.add_argument(
         "--single-line", action="store_true", help="the users dismiss every multi-line suggestion (they Tab a line)"
+    )
+    habit.add_argument(
+        "--whole-blocks",
+        action="store_true",
+        help="the users dismiss every single-line suggestion and Tab a block whose first line is right",
     )
 
 
@@ -59,7 +65,7 @@ def accept_rule(args: argparse.Namespace) -> AcceptRule:
     """The simulated users' Tab rule from the client arguments (``add_client_args``)."""
     from onlinerl.loop.user_model import AcceptRule
 
-    return AcceptRule(args.min_prefix_chars, args.min_similarity, args.single_line)
+    return AcceptRule(args.min_prefix_chars, args.min_similarity, args.single_line, args.whole_blocks)
 
 
 DEFAULT_REQUESTS = 100

@@ -5,8 +5,11 @@ shown text (trimmed) is non-empty and either a prefix of the true middle of at l
 (or the whole middle), or within edit similarity ``min_similarity`` of the middle's first line.
 
 Users differ in what they Tab, and so do projects' teams: a team that takes one line at a time dismisses every
-multi-line block (``single_line``); a team that takes only suggestions worth the glance dismisses a few characters
-(a higher ``min_prefix_chars``). Per-project adapters exist for such differences (docs/demo.md, "Two projects").
+multi-line block (``single_line``); a team that takes whole blocks dismisses every single line, and Tabs a block
+whose first line is right, editing the rest (``whole_blocks``); a team that takes only suggestions worth the glance
+dismisses a few characters (a higher ``min_prefix_chars``). Per-project adapters exist for such differences
+(docs/demo.md, "Two projects"): ``single_line`` and ``whole_blocks`` pull one decision, whether to go on after the
+first line, in opposite directions, so a policy shared by both teams is trained both ways.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ class AcceptRule:
     min_prefix_chars: int = 4
     min_similarity: float = 0.8
     single_line: bool = False
+    whole_blocks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.single_line and self.whole_blocks:
+            raise ValueError("single_line and whole_blocks exclude each other: such users would accept nothing")
 
 
 def continue_postprocess(completion: str, prefix: str, suffix: str) -> str:
@@ -49,9 +57,11 @@ def first_line(text: str) -> str:
 def decide(shown: str, middle: str, rule: AcceptRule = AcceptRule()) -> bool:
     """True when the simulated user accepts ``shown`` for the true ``middle``."""
     s = shown.strip()
-    if not s or (rule.single_line and "\n" in s):
+    multi_line = "\n" in s
+    if not s or (rule.single_line and multi_line) or (rule.whole_blocks and not multi_line):
         return False
     m = middle.strip()
     if m.startswith(s) and (len(s) >= rule.min_prefix_chars or s == m):
         return True
-    return edit_similarity(s, first_line(middle)) >= rule.min_similarity
+    judged = first_line(s) if rule.whole_blocks else s  # a block is taken for its first line, the rest is edited
+    return edit_similarity(judged, first_line(middle)) >= rule.min_similarity

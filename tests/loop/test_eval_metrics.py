@@ -237,6 +237,8 @@ def test_eval_from_results_runs_picks_the_base(tmp_path):
 def test_eval_from_results_hostile_inputs(tmp_path):
     proc = _cli("eval", "--from-results", str(tmp_path))
     assert proc.returncode == 2 and "--from-results: no v<N>.jsonl files" in proc.stderr
+    proc = _cli("eval", "--from-results", str(tmp_path), "--single-line", "--whole-blocks")  # users who take nothing
+    assert proc.returncode == 2 and "not allowed with argument --single-line" in proc.stderr, proc.stderr
     good = json.dumps(asdict(BASE[0]))
     cases = {
         '{"sample_id": "a", "middle": "x"}': "missing fields ['shown']",

@@ -44,6 +44,24 @@ def test_team_habits_change_the_verdict():
     assert decide("x = 1", "x = 1", worth_it)  # the whole middle
 
 
+def test_whole_blocks_is_the_opposite_habit_of_single_line():
+    """A team that takes whole blocks dismisses any single line, even the exact middle, and Tabs a block whose first
+    line is right though the rest is not (it edits the rest); a block that starts wrong is dismissed. On the same
+    suggestions the single-line team decides the other way: one choice, stop after the first line or go on, is
+    rewarded in opposite directions."""
+    blocks = AcceptRule(whole_blocks=True)
+    one_line = AcceptRule(single_line=True)
+    right_start = "result = compute(a, b)\n    log(result)"  # the first line right, the second not the middle's
+    assert decide(right_start, MIDDLE, blocks) and not decide(right_start, MIDDLE, one_line)
+    assert decide(MIDDLE, MIDDLE, blocks) and not decide(MIDDLE, MIDDLE, one_line)
+    assert not decide("result = compute(a, b)", MIDDLE, blocks) and decide("result = compute(a, b)", MIDDLE, one_line)
+    assert not decide("x = 1", "x = 1", blocks)  # a single line, even the whole middle
+    assert not decide("print('hello world')\n    return result", MIDDLE, blocks)  # starts wrong
+    assert not decide("result = compute(a, b)\n    log(result)", MIDDLE)  # the default user judges the whole block
+    with pytest.raises(ValueError, match="exclude each other"):
+        AcceptRule(single_line=True, whole_blocks=True)
+
+
 def test_shown_text_trims_like_continue():
     assert shown_text("foo()  \n\n") == "foo()"
     assert shown_text(" \n ") == ""

@@ -3,7 +3,8 @@
 Accept rate alone can be gamed by brevity: a policy that shows one safe token is accepted more often and writes less
 code. So every version also gets the figures a shorter policy cannot inflate: accepted characters per 100 requests,
 mean accepted and shown length, the suggestion rate, and the share of accepts that complete the whole middle (the
-simulated user knows the true middle). Versions run on the same samples, so comparisons are *paired*: McNemar's
+simulated user knows the true middle). The share of suggestions shown as a multi-line block says which way a policy
+went on the one choice teams differ on, to stop after the first line or to go on (user_model.py's habits). Versions run on the same samples, so comparisons are *paired*: McNemar's
 exact test on "accepted on this sample", a sign test on accepted characters per sample, and a paired percentile
 bootstrap confidence interval for the difference in every figure.
 
@@ -61,6 +62,7 @@ class Outcome:
     shown_chars: int  # 0: nothing shown
     accepted: bool
     whole_middle: bool  # accepted, and the shown text is the entire true middle
+    multi_line: bool = False  # shown as a block of more than one line
 
 
 def _norm(text: str) -> str:
@@ -71,7 +73,8 @@ def _norm(text: str) -> str:
 def outcome(record: EvalRecord, rule: AcceptRule = AcceptRule()) -> Outcome:
     shown = "" if record.failed else record.shown.strip()
     accepted = bool(shown) and decide(shown, record.middle, rule)
-    return Outcome(record.sample_id, len(shown), accepted, accepted and _norm(shown) == _norm(record.middle))
+    whole = accepted and _norm(shown) == _norm(record.middle)
+    return Outcome(record.sample_id, len(shown), accepted, whole, "\n" in shown)
 
 
 @dataclass(frozen=True)
@@ -84,20 +87,22 @@ class Totals:
     accepted_chars: int = 0
     shown_chars: int = 0
     whole_middle: int = 0
+    multi_line: int = 0
 
 
 def totals(outcomes: Iterable[Outcome]) -> Totals:
-    n = s = a = ac = sc = w = 0
+    n = s = a = ac = sc = w = m = 0
     for o in outcomes:
         n += 1
         if o.shown_chars:
             s += 1
             sc += o.shown_chars
+            m += o.multi_line
         if o.accepted:
             a += 1
             ac += o.shown_chars
             w += o.whole_middle
-    return Totals(n, s, a, ac, sc, w)
+    return Totals(n, s, a, ac, sc, w, m)
 
 
 def _ratio(num: float, den: float) -> float:
@@ -112,6 +117,7 @@ FIGURES: dict[str, tuple[str, str]] = {
     "mean_accepted_length": ("mean accepted length (chars)", "{:.1f}"),
     "mean_shown_length": ("mean shown length (chars)", "{:.1f}"),
     "suggestion_rate": ("suggestion rate", "{:.3f}"),
+    "multi_line_share": ("shown as a multi-line block", "{:.3f}"),
     "whole_middle_share": ("accepts completing the whole middle", "{:.3f}"),
 }
 
@@ -125,6 +131,7 @@ def figures(t: Totals) -> dict[str, float]:
         "mean_accepted_length": _ratio(t.accepted_chars, t.accepted),
         "mean_shown_length": _ratio(t.shown_chars, t.shown),
         "suggestion_rate": _ratio(t.shown, t.requests),  # shown (non-empty) / requests
+        "multi_line_share": _ratio(t.multi_line, t.shown),  # multi-line / shown
         "whole_middle_share": _ratio(t.whole_middle, t.accepted),
     }
 
@@ -141,6 +148,7 @@ class EvalSummary:
     accepted_chars_per_100: float
     mean_accepted_length: float
     mean_shown_length: float
+    multi_line_share: float
     whole_middle_share: float
     exact_match: float
     edit_similarity: float

@@ -64,6 +64,18 @@ def test_per_version_figures_by_hand():
     assert b.accepted_chars_per_100 == 100 * (4 + 4 + 4 + 5) / 4
     assert b.mean_accepted_length == 17 / 4 and b.mean_shown_length == 17 / 4
     assert b.whole_middle_share == 1 / 4  # only "x = 1" is the whole middle
+    assert s.multi_line_share == 0.0 and b.multi_line_share == 0.0  # "x = 1  \n" is one line once trimmed
+
+
+def test_multi_line_share_counts_blocks_among_the_shown():
+    """Of what was shown (a silence and a failure are not), the share that is a block of two lines or more."""
+    recs = [
+        EvalRecord("a", MIDDLES["a"], "value = compute(x)\nreturn value"),
+        EvalRecord("b", MIDDLES["b"], "return value"),
+        EvalRecord("c", MIDDLES["c"], ""),
+        EvalRecord("d", MIDDLES["d"], "x = 1\ny = 2", failed=True),
+    ]
+    assert summarize(recs).multi_line_share == 0.5
 
 
 def test_brevity_raises_accept_rate_but_not_accepted_characters():

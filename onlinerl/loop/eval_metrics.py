@@ -4,9 +4,11 @@ Accept rate alone can be gamed by brevity: a policy that shows one safe token is
 code. So every version also gets the figures a shorter policy cannot inflate: accepted characters per 100 requests,
 mean accepted and shown length, the suggestion rate, and the share of accepts that complete the whole middle (the
 simulated user knows the true middle). The share of suggestions shown as a multi-line block says which way a policy
-went on the one choice teams differ on, to stop after the first line or to go on (user_model.py's habits). Versions run on the same samples, so comparisons are *paired*: McNemar's
-exact test on "accepted on this sample", a sign test on accepted characters per sample, and a paired percentile
-bootstrap confidence interval for the difference in every figure.
+went on the one choice teams differ on, to stop after the first line or to go on (user_model.py's habits).
+
+Versions run on the same samples, so comparisons are *paired*: McNemar's exact test on "accepted on this sample", a
+sign test on accepted characters per sample, and a paired percentile bootstrap confidence interval for the difference
+in every figure.
 
 All figures derive from per-sample :class:`Outcome` counts through :func:`figures`, so the summary and every
 bootstrap resample compute a figure the same way.

@@ -15,7 +15,7 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     The task is cancelled again every ``RECANCEL_SECONDS`` until it stops. Why: a cancellation that lands inside a
     library call can be swallowed. A feedback service then hung on SIGTERM until it was killed: its backlog
     monitor's cancel landed inside a redis-py call, the loop went on to its next tick, and ``await task`` never
-    returned. It happened about once in seven runs on a loaded box (tests/foundation/test_aio.py). A second cancel
+    returned (about once in seven runs on a loaded box; the mechanism: tests/foundation/test_aio.py). A second cancel
     lands in the loop's sleep."""
     if task is None:
         return

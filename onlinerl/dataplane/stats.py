@@ -33,16 +33,29 @@ def read_users(client: redis.Redis, keys: Keys, version: int, arm: Arm, canary: 
     """One canary's per-user ledger of an arm (``Keys.arm_users``): user -> that user's counters (empty when the
     gateway and feedback wrote none: traffic recorded before the ledgers existed).
 
-    The controller reads every ledger at every look, and a ledger holds a field per user and counter: one pass that
-    decodes each field once and keeps only known counters (as ``ArmStats.from_mapping``: missing ones are 0, others
-    ignored). 1.45x faster than the general path (``str_map``, then ``from_mapping`` per user): 4.1 against 6.0 ms
-    for 800 users."""
-    per: dict[str, dict[str, int]] = {}
+    The controller reads every ledger at every look, and a ledger holds a field per user and counter: one pass over
+    the reply's bytes that splits each field once, keeps only known counters (as ``ArmStats.from_mapping``: missing
+    ones are 0, others ignored) and decodes each user once, not each field. 1.4x faster than decoding every field
+    first, which was 1.45x faster than ``str_map`` then ``from_mapping`` per user (``bench/ledger_read.py``; 38
+    against 54 ms for 5,000 users)."""
+    per: dict[bytes, dict[str, int]] = {}
     for field, value in pairs(client.hgetall(keys.arm_users(version, arm, canary))):
-        user, sep, counter = text(field).rpartition(":")
-        if sep and user and counter in COUNTERS:
-            per.setdefault(user, {})[counter] = int(float(value or 0))
-    return {user: ArmStats(**counts) for user, counts in per.items()}
+        user, sep, counter = (field if isinstance(field, bytes) else text(field).encode()).rpartition(b":")
+        name = _COUNTER_NAMES.get(counter)
+        if sep and user and name:
+            per.setdefault(user, {})[name] = _count(value)
+    return {user.decode(): ArmStats(**counts) for user, counts in per.items()}
+
+
+_COUNTER_NAMES = {name.encode(): name for name in COUNTER_FIELDS}
+
+
+def _count(value: Any) -> int:
+    """A counter's reply value: an integer (HINCRBY writes them), else what ``ArmStats.from_mapping`` makes of it."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return int(float(value or 0))
 
 
 def read_all(client: redis.Redis, keys: Keys) -> dict[tuple[int, str], dict[str, int]]:

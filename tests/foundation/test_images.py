@@ -309,7 +309,7 @@ def test_default_tag_is_the_chart_app_version(built: dict[str, Path]) -> None:
 def test_images_repeat_make_setups_install_rules(built: dict[str, Path]) -> None:
     """What `make setup` needs to install the venv, each image that installs the same thing needs too."""
     setup = (ROOT / "Makefile").read_text()
-    dropped = set(re.search(r"pip uninstall -q -y ([\w ]+?) 2>", setup).group(1).split())
+    dropped = set(re.search(r"\$\(INSTALL\) uninstall ([\w ]+)\n", setup).group(1).split())
     for image_ref, path in built.items():
         image = df.parse(path)
         dists = df.distributions(image)

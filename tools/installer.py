@@ -19,6 +19,7 @@ Usage (the Makefile): ``.venv/bin/python tools/installer.py install -e '.[all]'`
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -104,14 +105,17 @@ def pip_command(action: str, args: list[str], python: str) -> list[str]:
     return argv + (["--yes"] if action == "uninstall" else []) + args
 
 
-def installed(python: str, names: list[str]) -> list[str]:
-    """The distributions among ``names`` that are installed (uninstalling an absent one is not an error here)."""
-    code = (
-        "import importlib.metadata as m, sys\n"
-        "for n in sys.argv[1:]:\n try: m.version(n); print(n)\n except m.PackageNotFoundError: pass"
-    )
-    out = subprocess.run([python, "-c", code, *names], capture_output=True, text=True, check=True).stdout
-    return out.split()
+def installed(names: list[str]) -> list[str]:
+    """The distributions among ``names`` that this Python has (uninstalling an absent one is not an error here). The
+    installer runs under the Python it installs into (``.venv/bin/python tools/installer.py``), so it asks itself."""
+    found = []
+    for name in names:
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     action, args = argv[0], argv[1:]
     python = sys.executable
     if action == "uninstall":
-        args = installed(python, args)
+        args = installed(args)
         if not args:
             return 0
     uv = shutil.which("uv", path=str(Path(python).parent))

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,10 @@ TINY_QWEN2: dict[str, Any] = {
     "bos_token_id": 0,
     "eos_token_id": 0,
 }
+
+# A configuration started inside the budget is killed this long past it: the proof ends within budget + grace + the
+# table, so a call's limit (budget plus this plus the model's start) leaves the rendered table and the log intact.
+CONFIG_GRACE_S = 90.0
 
 CONFIGS = ("torch-lora", "zero2-lora", "zero3-lora", "torch-full", "zero2-full", "zero3-full")
 
@@ -351,18 +356,31 @@ def compare_losses(reference: dict[str, Any], other: dict[str, Any]) -> dict[str
 
 
 # --- orchestration ----------------------------------------------------------------------------------------------------
-def child(args: argparse.Namespace, what: list[str], hide_gpu: bool = False) -> dict[str, Any]:
-    """Run one part in a fresh process (clean GPU memory, its own peak figures): ``python -m bench.gpu_proof ...``."""
+def child(args: argparse.Namespace, what: list[str], hide_gpu: bool = False, timeout_s: float = 300) -> dict[str, Any]:
+    """Run one part in a fresh process (clean GPU memory, its own peak figures): ``python -m bench.gpu_proof ...``.
+
+    A part that outlives ``timeout_s`` is killed with its whole process group (the valkey-server it started holds the
+    output pipes open), so one hung engine costs its own row, never the table the lent minutes were spent for."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = Path(f.name)
     env = {**os.environ}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "bench.gpu_proof", *what, "--result", str(result), *shape_args(args)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        result.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(what[:2])} timed out after {timeout_s:.0f} s") from None
     try:
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(what)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"{' '.join(what)} failed ({proc.returncode}):\n{stderr[-4000:]}")
         return json.loads(result.read_text())
     finally:
         result.unlink(missing_ok=True)
@@ -416,9 +434,11 @@ def run_proof(args: argparse.Namespace) -> int:
         t = time.monotonic()
         try:
             what = ["--one", name, "--model", str(model_dir)]
-            row = child(args, what) if args.isolate else one_in_process(name, model_dir, args)
+            left = args.budget_s + CONFIG_GRACE_S - elapsed  # the last one may overrun the budget by this much
+            row = child(args, what, timeout_s=left) if args.isolate else one_in_process(name, model_dir, args)
             row["status"] = "ok"
         except Exception as exc:  # one engine failing must not hide the others' figures
+            print(f"{name} failed: {exc}", file=sys.stderr, flush=True)  # the whole error, for the log
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             row = {"config": name, "status": "failed: " + last[:200].replace("|", "/")}  # one table cell
         longest = max(longest, time.monotonic() - t)

@@ -41,7 +41,9 @@ from tests.serving.lora_helpers import announce, write_lora_checkpoint  # noqa: 
 
 sys.path.insert(0, str(ROOT / "bench"))
 import serving_latency  # noqa: E402  (one request body and one timer for both latency benchmarks)
+from affinity import isolate_engines  # noqa: E402
 from latency_stats import bar_table, paired_median, pct  # noqa: E402
+from proc_cpu import tree_pids  # noqa: E402
 
 JOB = "bench"
 
@@ -146,6 +148,16 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
     return out
 
 
+def stack_pids(stack: Stack) -> set[int]:
+    """Every process of the stack (each child with its descendants, valkey-server) and this benchmark's own."""
+    pids = {os.getpid()}
+    if stack.valkey is not None and stack.valkey.process is not None:
+        pids.add(stack.valkey.process.pid)
+    for child in stack.children:
+        pids |= tree_pids(child.pid)
+    return pids
+
+
 def report(results: dict) -> str:
     rows = [
         "| replicas | path | non-stream total p50 ms | added vs direct ms | vs direct+cap ms | stream total p50 ms | "
@@ -169,6 +181,12 @@ def report(results: dict) -> str:
                 f"{over_cap:+.2f} | {pct(m['ttft'], 0.5) * 1e3:.2f} |"
             )
     rows += ["", *bar_table(results["latency"])]
+    for n, placed in results.get("affinity", {}).items():  # --engine-cores-alone
+        rows.append(
+            f"\n{n} replica(s): each engine alone on its core {placed['engine_cores']} ({placed['threads'][0]} "
+            f"threads), every other thread of the stack and of the benchmark on {placed['host_cores']} "
+            f"({placed['threads'][1]})."
+        )
     if results.get("cpu_s"):
         rows += ["", "| replicas | CPU seconds each process used in the latency phase |", "|---|---|"]
         for n, used in results["cpu_s"].items():
@@ -212,6 +230,13 @@ def main() -> int:
         default="sidecar",
         help="serving.gatewayMode of every phase: the gateway as its own process, or inside vLLM's",
     )
+    ap.add_argument(
+        "--engine-cores-alone",
+        action="store_true",
+        help="after each phase starts, give each vLLM engine process a core of its own and move every other thread "
+        "of the stack and of this benchmark off those cores (bench/affinity.py): host work no longer stalls a "
+        "generation, as on a GPU (needs more cores than replicas)",
+    )
     ap.add_argument("--report", type=Path, default=None, help="print the report of a --json file, measure nothing")
     args = ap.parse_args()
     if args.report is not None:
@@ -237,6 +262,9 @@ def main() -> int:
             print(f"phase: {n} replica(s): starting", file=sys.stderr, flush=True)
             stack = start(n, Path(tmp) / f"state-{n}", model, ckpt, args.gateway_mode)
             try:
+                if args.engine_cores_alone:
+                    results.setdefault("affinity", {})[str(n)] = isolate_engines(stack_pids(stack))
+                    print(f"phase: {n} replica(s): {results['affinity'][str(n)]}", file=sys.stderr, flush=True)
                 results["load_1m"].append(os.getloadavg()[0])
                 before = cpu_seconds(stack)
                 results["latency"][str(n)] = latency(stack, args.n, args.warmup, args.max_tokens, args.gap_ms / 1e3)

@@ -49,6 +49,10 @@ class RolloutStore:
         """Canary ``canary``'s per-user counters of (version, arm) (``stats.read_users``)."""
         return stats.read_users(self.r, self.keys, version, arm, canary)
 
+    def users_at_most(self, ledgers: Iterable[tuple[int, Arm]], canary: int, at_most: int) -> int:
+        """Distinct users in canary ``canary``'s per-user ledgers, counted up to ``at_most`` (``stats.count_users``)."""
+        return stats.count_users(self.r, self.keys, list(ledgers), canary, at_most)
+
     def decisions(self, count: int = 20) -> list[tuple[str, DecisionRecord]]:
         """The latest ``count`` decisions, oldest first."""
         return decisions.latest(self.r, self.keys, count)

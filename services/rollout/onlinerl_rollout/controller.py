@@ -398,10 +398,17 @@ class RolloutController:
         blue = table.canary_share >= 1.0  # everyone on the candidate: no live stable arm, compare with the snapshot
         stable_stats = baseline if blue else self.store.arm_stats(stable, STABLE).minus(baseline)
         now = self.clock()
-        cand_users = self.store.arm_users(cand, CANDIDATE, cand)
-        stable_users = None if blue else self.store.arm_users(stable, STABLE, cand) or None
+        due = look_index(min(cand_stats.shown, stable_stats.shown), self.rules.min_samples) > state.last_look
+        ledgers = [(cand, CANDIDATE)] if blue else [(cand, CANDIDATE), (stable, STABLE)]
+        if due:  # a look: every user's counters, for the per-user cap and the leave-one-out check (per_user.py)
+            cand_users = self.store.arm_users(cand, CANDIDATE, cand)
+            stable_users = None if blue else self.store.arm_users(stable, STABLE, cand) or None
+            users = users_in(cand_users, stable_users)
+        else:  # between looks only "fewer users than a look needs?" is asked: count up to that, not every user
+            cand_users, stable_users = {}, None
+            users = self.store.users_at_most(ledgers, cand, self.cfg.few_users_below)
         few = FewUsers(
-            users_in(cand_users, stable_users),
+            users,
             self.cfg.few_users_below,
             self.cfg.few_users,
             table.split,
@@ -410,7 +417,9 @@ class RolloutController:
         )
         if few.switch_to_request and not blue and table.pinned is None:
             return self._split_by_request(table, few, now)
-        v = self._verdict(table, state, cand_stats, stable_stats, now - state.started_at, cand_users, stable_users, few)
+        v = self._verdict(
+            table, state, cand_stats, stable_stats, now - state.started_at, due, cand_users, stable_users, few
+        )
         self.metrics.observe_canary(
             cand,
             stable,
@@ -477,18 +486,19 @@ class RolloutController:
         cand_stats: ArmStats,
         stable_stats: ArmStats,
         dwell: float,
+        due: bool,
         cand_users: dict[str, ArmStats],
         stable_users: dict[str, ArmStats] | None,
         few: FewUsers,
     ) -> Verdict:
-        """This tick's verdict. When the arm counters reach a new look, it is taken on per-user-capped counters and
-        must not rest on one user (per_user.py), from the canary's per-user ledgers; a kept promotion also passes the
-        drift guard (decision.DriftGuard). A few-user canary under ``rollout.fewUsers: decide`` is judged on its
-        pooled counters instead (few_users.py): the cap and the leave-one-out check need more users than it has."""
+        """This tick's verdict. When the arm counters reach a new look (``due``), it is taken on per-user-capped
+        counters and must not rest on one user (per_user.py), from the canary's per-user ledgers (read whole only
+        then); a kept promotion also passes the drift guard (decision.DriftGuard). A few-user canary under
+        ``rollout.fewUsers: decide`` is judged on its pooled counters instead (few_users.py): the cap and the
+        leave-one-out check need more users than it has."""
         stable = table.stable
         blue = table.canary_share >= 1.0
         rules, last, breaches = self.rules, state.last_look, state.guardrail_breach_looks
-        due = look_index(min(cand_stats.shown, stable_stats.shown), rules.min_samples) > last
         drift = self._drift(stable) if due else None
 
         def decide_at(c: ArmStats, s: ArmStats, at: int | None) -> Verdict:

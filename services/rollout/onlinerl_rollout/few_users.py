@@ -40,7 +40,7 @@ from onlinerl.rollout.records import ArmStats
 class FewUsers:
     """What the canary knows about its users at one tick."""
 
-    users: int  # distinct users in the canary's per-user ledgers (both arms)
+    users: int  # distinct users in the canary's per-user ledgers (both arms), counted up to ``needed`` between looks
     needed: int  # ceil(1 / maxUserShare): users a look needs under the per-user cap
     policy: Literal["wait", "decide"]  # rollout.fewUsers
     split: Literal["key", "request"]  # the policy table's split

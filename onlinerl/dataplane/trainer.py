@@ -6,9 +6,10 @@ period. Two trainers announcing ``max(...) + 1`` fork the lineage, and a stale o
 one never trained. So each trainer first takes ``trainer:lease`` (SET NX PX) with a token from INCR ``trainer:fence``
 (strictly increasing, never reused), renews it from a thread while it runs, and announces (XADD ``checkpoints``) and
 acknowledges (XACK + XDEL ``samples``) only through the Lua scripts below, which refuse unless the lease still holds
-the caller's token. A holder whose lease lapsed (paused, partitioned) is therefore refused by Redis even if it does
-not know it yet. The same holder name (the pod name: a restarted container in the same pod) takes the lease over at
-once; any other holder waits for it to be released or to expire.
+the caller's token and name (a token comes again only if ``trainer:fence`` itself is lost; the name tells the two
+holders of a repeated token apart). A holder whose lease lapsed (paused, partitioned) is therefore refused by Redis
+even if it does not know it yet. The same holder name (the pod name: a restarted container in the same pod) takes the
+lease over at once; any other holder waits for it to be released or to expire.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ redis.call('SET', KEYS[1], token .. ' ' .. ARGV[1], 'PX', tonumber(ARGV[2]))
 return {token, ''}
 """)
 
-# The lease still holds this token? Shared prefix of every fenced script (KEYS[1] lease, ARGV[1] token).
+# The lease is still ours? Shared prefix of every fenced script (KEYS[1] lease, ARGV[1] the lease's whole value,
+# "<token> <holder>"). Token and holder both: tokens never repeat while trainer:fence lives, but a flush or a failover
+# to a replica that missed the last INCR restarts them at 1, and a stale trainer holding an old 1 must not pass for
+# the new holder of a new 1 (renew its lease, announce or acknowledge under it).
 _CHECK = """
 local cur = redis.call('GET', KEYS[1])
-if (not cur) or string.match(cur, '^(%d+) ') ~= ARGV[1] then return redis.error_reply('FENCED lease lost') end
+if cur ~= ARGV[1] then return redis.error_reply('FENCED lease lost') end
 """
 
 _RENEW = Script(_CHECK + "return redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))")
@@ -110,6 +114,11 @@ class Lease:
             return False, f"could not renew the trainer lease for {quiet:.1f} s (is Redis reachable?)"
         return True, f"training: lease held with fencing token {self.token}"
 
+    @property
+    def value(self) -> str:
+        """The lease's value while we hold it, ``"<token> <holder>"``: what every fenced script compares."""
+        return f"{self.token} {self.holder}"
+
     # --- holding ------------------------------------------------------------------------------------------------
     def try_acquire(self) -> str | None:
         """Take the lease (a fresh token). Returns None when taken, else who holds it (``"<token> <holder>"``)."""
@@ -152,7 +161,7 @@ class Lease:
 
     def renew(self) -> bool:
         try:
-            _RENEW.run(self.client, [self.keys.trainer_lease], [self.token, self.ttl_ms])
+            _RENEW.run(self.client, [self.keys.trainer_lease], [self.value, self.ttl_ms])
             return True
         except redis.ResponseError as exc:
             if "FENCED" not in str(exc):
@@ -198,7 +207,7 @@ class Lease:
             self._renewer = None
         if self.token:
             try:
-                _RELEASE.run(self.client, [self.keys.trainer_lease], [self.token])
+                _RELEASE.run(self.client, [self.keys.trainer_lease], [self.value])
             except redis.ResponseError as exc:
                 if "FENCED" not in str(exc):
                     raise
@@ -207,7 +216,7 @@ class Lease:
     # --- fenced writes ------------------------------------------------------------------------------------------
     def _fenced(self, name: str, keys: list[str], args: list) -> object:
         try:
-            return self._scripts[name].run(self.client, keys, [self.token, *args])
+            return self._scripts[name].run(self.client, keys, [self.value, *args])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 self.lost.set()

@@ -46,16 +46,23 @@ def announced(client: redis.Redis) -> list[dict[str, str]]:
     return [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(KEYS.checkpoints)]
 
 
+def delivered(client: redis.Redis, n: int) -> list[str]:
+    """``n`` samples on the stream, delivered to a trainer and not yet acknowledged: what a fenced ack may drop."""
+    client.xgroup_create(KEYS.samples, SAMPLES_GROUP, id="0", mkstream=True)
+    ids = xadd_samples(client, samples(n))
+    client.xreadgroup(SAMPLES_GROUP, "trainer-0", {KEYS.samples: ">"})
+    return ids
+
+
 def lapse(client: redis.Redis, lease: Lease) -> None:
     """Wait (on the condition, not a sleep) until ``lease``'s key has expired in Redis."""
     wait_for(lambda: client.get(KEYS.trainer_lease) is None, timeout=10, what=f"{lease.holder}'s lease to expire")
 
 
-def test_the_fence_refuses_lapsed_older_and_forged_tokens(redis_client):
+def test_the_fence_refuses_lapsed_older_and_forged_tokens(redis_client, valkey):
+    """On a valkey of its own: the lease's 300 ms TTL is timed here, and nothing else may touch the lease."""
     r = redis_client
-    r.xgroup_create(KEYS.samples, SAMPLES_GROUP, id="0", mkstream=True)
-    ids = xadd_samples(r, samples(3))
-    r.xreadgroup(SAMPLES_GROUP, "trainer-0", {KEYS.samples: ">"})
+    ids = delivered(r, 3)
 
     a = Lease(r, KEYS, "pod-a", ttl_ms=300)
     assert a.try_acquire() is None and a.token == 1
@@ -92,6 +99,33 @@ def test_the_fence_refuses_lapsed_older_and_forged_tokens(redis_client):
     c = Lease(r, KEYS, "pod-c")
     assert c.try_acquire() is None and c.token == 3  # tokens are never reused
     c.release()
+
+
+def test_a_token_that_comes_again_after_the_fence_is_lost_does_not_pass_for_its_new_holder(redis_client):
+    """A flush, or a failover to a replica that missed the last INCR, loses ``trainer:fence``: tokens start at 1
+    again. A stale trainer still holding the old 1 must not renew, announce, acknowledge or release under the new
+    holder's 1 (the lease is matched by token and holder name both)."""
+    r = redis_client
+    ids = delivered(r, 2)
+    stale = Lease(r, KEYS, "old-pod", ttl_ms=60_000)
+    assert stale.try_acquire() is None and stale.token == 1
+    r.delete(KEYS.trainer_lease, KEYS.trainer_fence)  # the data is lost; the old pod does not know
+
+    new = Lease(r, KEYS, "new-pod", ttl_ms=60_000)
+    assert new.try_acquire() is None and new.token == 1  # the same number, another holder
+    r.pexpire(KEYS.trainer_lease, 5_000)
+    assert not stale.renew() and stale.lost.is_set()  # its renewal is refused ...
+    assert 0 < r.pttl(KEYS.trainer_lease) <= 5_000  # ... and did not extend the new holder's lease
+    with pytest.raises(FencedOut):
+        stale.announce({"version": "1", "path": "/x/v1"})
+    with pytest.raises(FencedOut):
+        stale.ack(ids)
+    stale.release()  # a no-op: the lease is not its own
+    assert r.get(KEYS.trainer_lease) == b"1 new-pod"
+    assert len(announced(r)) == 0 and stream_ids(r) == set(ids)  # nothing announced, nothing dropped
+    new.announce({"version": "1", "path": "/x/v1"})
+    assert new.ack(ids) == 2 and [e["fence"] for e in announced(r)] == ["1"]
+    new.release()
 
 
 def test_a_stale_trainer_cannot_publish_and_its_successor_trains_its_samples(

@@ -111,7 +111,9 @@ def test_kill_9_during_a_step_loses_nothing_and_trains_nothing_twice(tmp_path, r
     finally:
         trainer.kill()
     killed_in = status()
-    assert killed_in["state"] == "training"
+    # Killed inside the 4th step, or (on a loaded box, where the poll above can lag the trainer by a step) while it
+    # published v2: either way it was mid-work, and the checks below hold the same promise.
+    assert killed_in["state"] in ("training", "publishing"), killed_in
     acked = set(all_ids) - stream_ids(redis_client)
     trained = all_manifest_ids(store)
     assert acked <= set(trained), "a sample was acknowledged without being in a published version"

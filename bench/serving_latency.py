@@ -31,7 +31,7 @@ import httpx
 import orjson
 import yaml
 from baseline import checkout_of  # bench/ is sys.path[0] when run as a script
-from latency_stats import paired_median, pct
+from latency_stats import paired_median, paired_median_ci, pct
 from proc_cpu import cpu_seconds
 
 from onlinerl.auth import write_keys_file
@@ -132,10 +132,12 @@ def run(
     warmup: int,
     breakdown: bool = False,
     engines: dict[str, str] | None = None,
+    passthroughs: dict[str, str] | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """``gateways``: path name -> gateway URL (ours, and an older commit's with ``--baseline-ref``); ``breakdown``
     adds one direct path per part of the capture (CAPTURE_PARTS); ``engines``: more vLLM servers (name -> URL), each
-    timed with the client's body and with the capture's (``direct <name>``, ``direct+cap <name>``)."""
+    timed with the client's body and with the capture's (``direct <name>``, ``direct+cap <name>``); ``passthroughs``:
+    bench/passthrough_gateway.py's apps (name -> URL), timed with the capture's body."""
     auth = {"content-type": "application/json", "authorization": f"Bearer {KEY}", "api-key": KEY}
     engine = f"{engine_url}/v1/completions"
     json_only = {"content-type": "application/json"}
@@ -156,6 +158,7 @@ def run(
                 for kind, payload in (("direct", plain), ("direct+cap", cap))
             ),
             *((name, f"{url}/v1/completions", plain, auth) for name, url in gateways.items()),
+            *((name, f"{url}/v1/completions", cap, json_only) for name, url in (passthroughs or {}).items()),
         ]
     return interleave(paths, n, warmup)
 
@@ -207,6 +210,25 @@ def table(res: dict[str, dict[str, list[float]]]) -> str:
                 f"{d_direct * 1e3:+.2f} | {d_cap * 1e3:+.2f} |"
             )
     return "\n".join(rows)
+
+
+def split_line(res: dict[str, dict[str, list[float]]]) -> str:
+    """With --passthrough: the in-process gateway's share split into the plumbing (pass-through - direct+cap) and
+    its own work (gateway - pass-through), paired medians with 95% bootstrap intervals, per metric."""
+    gw, pt = res.get("gateway (in-process)"), res.get("pass-through (in-process)")
+    if gw is None or pt is None:
+        return ""
+    header = "| metric | plumbing: pass-through - direct+cap ms | own work: gateway - pass-through ms |"
+    lines = ["", header, "|---|---|---|"]
+
+    def interval(a: list[float], b: list[float]) -> str:
+        median, low, high = (x * 1e3 for x in paired_median_ci(a, b))
+        return f"{median:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+    for metric, label in (("total", "non-stream total"), ("stream_total", "stream total"), ("ttft", "stream TTFT")):
+        plumbing = interval(pt[metric], res["direct+cap"][metric])
+        lines.append(f"| {label} | {plumbing} | {interval(gw[metric], pt[metric])} |")
+    return "\n".join(lines) + "\n"
 
 
 def others_than_ours() -> str:
@@ -287,7 +309,15 @@ def main() -> int:
         help="start vLLM with the gateway inside it (serving.gatewayMode: inProcess) and time that gateway too, "
         "beside the sidecar gateway on the same vLLM",
     )
+    ap.add_argument(
+        "--passthrough",
+        action="store_true",
+        help="with --in-process: also time a pass-through in the same vLLM process (bench/passthrough_gateway.py), "
+        "which splits the in-process gateway's share into the plumbing and the gateway's own work",
+    )
     args = ap.parse_args()
+    if args.passthrough and not args.in_process:
+        ap.error("--passthrough runs beside the in-process gateway: add --in-process")
 
     tmp = Path(tempfile.mkdtemp(prefix="orl-bench-"))
     children: list[Child] = []
@@ -297,6 +327,7 @@ def main() -> int:
         engine_url = args.engine_url
         extra_engines: dict[str, str] = {}
         in_process: dict[str, str] = {}
+        passthroughs: dict[str, str] = {}
         if not engine_url:
             from onlinerl.model import bootstrap_smollm2, default_cache_dir, make_tiny_model
             from onlinerl_serving.engine import start_vllm
@@ -316,8 +347,17 @@ def main() -> int:
                 cfg = from_mapping({"model": {"maxModelLen": 2048}, "serving": {"gatewayMode": "inProcess"}})
                 env = {**env, "ONLINERL_CONFIG": str(cfg_path)}
                 in_process["gateway (in-process)"] = f"http://127.0.0.1:{inproc_port}"
+            if args.passthrough:  # vLLM loads the bench's middleware: the gateway as always, and the pass-through
+                from passthrough_gateway import PORT_ENV
+
+                from onlinerl import vllm_flags
+
+                vllm_flags.IN_PROCESS_GATEWAY = "bench.passthrough_gateway.PassthroughGateway"  # read per start
+                pt_port = free_port()
+                env = {**env, PORT_ENV: str(pt_port), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+                passthroughs["pass-through (in-process)"] = f"http://127.0.0.1:{pt_port}"
             children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port, extra_env=env))
-            for url in in_process.values():
+            for url in [*in_process.values(), *passthroughs.values()]:
                 children[-1].wait_healthy(f"{url}/readyz", 60)
             plain_cfg = from_mapping({"model": {"maxModelLen": 2048}})  # no in-process gateway in a second engine
             seconds = {"no plugin": {"VLLM_PLUGINS": others_than_ours()}} if args.ab_plugin else {}
@@ -358,6 +398,7 @@ def main() -> int:
             args.warmup,
             args.breakdown,
             extra_engines,
+            passthroughs,
         )
         gw_requests = 2 * (args.n + args.warmup)
         own = []
@@ -385,7 +426,7 @@ def main() -> int:
         f"temperature {TEMPERATURE} on every path (the gateway's exploration floor), Continue's Qwen FIM prompt and "
         f"12 stop strings; {args.n} sequential requests per path and mode, paths interleaved (order alternating). "
         "Redis: embedded valkey, AOF fsync always.\n\n"
-        f"{table(res)}\n\n" + "\n".join(own) + "\n\n" + capture_costs(res) + "\n"
+        f"{table(res)}\n\n" + "\n".join(own) + "\n\n" + capture_costs(res) + "\n" + split_line(res)
     )
     print(text)
     if args.write:

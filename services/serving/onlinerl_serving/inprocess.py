@@ -273,9 +273,6 @@ class InProcessGateway:
         await self.app(scope, receive_wrapped, send_wrapped)
 
     async def start(self, lifespan_scope: Scope) -> None:
-        import uvicorn
-
-        from onlinerl.asgi import KEEP_ALIVE_SECONDS
         from onlinerl.config import load_config
         from onlinerl_serving.gateway import create_app
 
@@ -283,17 +280,7 @@ class InProcessGateway:
         cfg = (self.config_loader or load_config)()
         self.engine = InProcessEngine(self.app, read_timeout=cfg.serving.request_timeout_seconds)
         self.engine.app_scope = {"app": lifespan_scope.get("app"), "state": lifespan_scope.get("state")}
-        config = uvicorn.Config(
-            create_app(cfg, engine=self.engine),
-            host=cfg.serving.host,
-            port=cfg.serving.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            http="httptools",
-            timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        )
-        self._server = uvicorn.Server(config)
+        self._server = server_in_this_loop(create_app(cfg, engine=self.engine), cfg.serving.host, cfg.serving.port)
         # Server.serve() would take over SIGINT/SIGTERM from vLLM's own server; _serve() is serve() without that.
         serve = getattr(self._server, "_serve", self._server.serve)
 
@@ -333,6 +320,26 @@ class InProcessGateway:
             await asyncio.wait_for(self._serving, 30)
         if self.engine is not None:
             self.engine.close()
+
+
+def server_in_this_loop(app: ASGIApp, host: str, port: int, lifespan: str = "on") -> Any:
+    """A uvicorn server for ``app`` to run in vLLM's event loop (``_serve()``, not ``serve()``, which would take
+    SIGINT and SIGTERM from vLLM's own server): options as every onlinerl front end has them (onlinerl.asgi.serve)."""
+    import uvicorn
+
+    from onlinerl.asgi import KEEP_ALIVE_SECONDS
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan=lifespan,
+        http="httptools",
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+    )
+    return uvicorn.Server(config)
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"  # the sidecar's (gateway.main)

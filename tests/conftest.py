@@ -10,9 +10,11 @@ engines those modules use in a background thread at once, so their boot overlaps
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -65,6 +67,33 @@ def smollm2_path() -> Path:
 def tiny_model_path(smollm2_path: Path) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer: vLLM and PPO in seconds."""
     return _tiny()
+
+
+# ---- in-process trainers ----
+
+
+@pytest.fixture(autouse=True)
+def _trainer_leases_stop_renewing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every in-process ``Trainer`` a test builds stops renewing its lease when the test ends, closed or not. A
+    trainer left open renewed from its thread into the next tests of the same worker (it once kept test_fence's
+    lease alive). Only where a test module imported the trainer: nothing is imported here."""
+    module = sys.modules.get("onlinerl_trainer.trainer")
+    if module is None:
+        yield
+        return
+    built: list[Any] = []
+    init = module.Trainer.__init__
+
+    def tracked(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.Trainer, "__init__", tracked)
+    yield
+    for trainer in built:
+        lease = getattr(trainer, "lease", None)
+        if lease is not None:
+            lease.stop_renewing()
 
 
 # ---- valkey ----

@@ -199,12 +199,16 @@ class Lease:
         self._renewer = threading.Thread(target=loop, name="trainer-lease", daemon=True)
         self._renewer.start()
 
-    def release(self) -> None:
-        """Give the lease up (a waiting trainer takes over at once); a no-op when it is no longer ours."""
+    def stop_renewing(self) -> None:
+        """Stop the renewal thread and wait for it; the lease then lapses at its TTL unless released. No Redis call."""
         self._stop_renew.set()
         if self._renewer is not None:
             self._renewer.join(timeout=5)
             self._renewer = None
+
+    def release(self) -> None:
+        """Give the lease up (a waiting trainer takes over at once); a no-op when it is no longer ours."""
+        self.stop_renewing()
         if self.token:
             try:
                 _RELEASE.run(self.client, [self.keys.trainer_lease], [self.value])

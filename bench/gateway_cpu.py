@@ -155,15 +155,23 @@ class StandInVllm:
         return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
 
 
-async def call(app: Any, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> tuple[int, float]:
+async def call(
+    app: Any,
+    path: str,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]],
+    method: str = "POST",
+    answer: list[bytes] | None = None,
+) -> tuple[int, float]:
     """One ASGI request, as a server hands it over: the body in one message, then the client waiting.
     Returns the status and the wall time until the response's last byte was handed to the server (what the client
-    waits for; the gateway's work after it, such as the record's acknowledgement, is not in it)."""
+    waits for; the gateway's work after it, such as the record's acknowledgement, is not in it). ``answer``: a list
+    the response body's pieces are appended to (the timed paths pass none)."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
-        "method": "POST",
+        "method": method,
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
@@ -190,8 +198,11 @@ async def call(app: Any, path: str, body: bytes, headers: list[tuple[bytes, byte
         nonlocal status, answered
         if message["type"] == "http.response.start":
             status = message["status"]
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            answered = time.perf_counter() - t0
+        elif message["type"] == "http.response.body":
+            if answer is not None:
+                answer.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                answered = time.perf_counter() - t0
 
     await app(scope, receive, send)
     never.cancel()
@@ -282,19 +293,9 @@ async def measure(
 
 async def records_stored(gateway: Any) -> tuple[float, float]:
     """(records stored, record errors), from the gateway's own /metrics."""
-    scope = {"type": "http", "method": "GET", "path": "/metrics", "headers": [], "query_string": b""}
-    scope |= {"http_version": "1.1", "scheme": "http", "raw_path": b"/metrics", "root_path": ""}
-    scope |= {"client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000), "asgi": {"version": "3.0"}}
     parts: list[bytes] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.body":
-            parts.append(message.get("body", b""))
-
-    await gateway(scope, receive, send)
+    status, _ = await call(gateway, "/metrics", b"", [], method="GET", answer=parts)
+    assert status == 200, status
     recorded = errors = 0.0
     for line in b"".join(parts).decode().splitlines():
         if line.startswith("onlinerl_serving_rollouts_recorded_total{"):
@@ -321,38 +322,23 @@ def summarise(engine: PathFigures, gateway: PathFigures) -> dict[str, float]:
 @contextlib.asynccontextmanager
 async def running(app: Any) -> AsyncIterator[None]:
     """The app's ASGI lifespan, started and then shut down (the gateway opens Redis and its refresh loops in it)."""
-    lifespan = gateway_lifespan(app)
-    await lifespan.__anext__()
+    queue: asyncio.Queue = asyncio.Queue()
+    started, done = asyncio.Event(), asyncio.Event()
+
+    async def send(message: dict) -> None:
+        if message["type"] == "lifespan.startup.failed":
+            raise RuntimeError(message.get("message"))
+        (started if message["type"].startswith("lifespan.startup") else done).set()
+
+    await queue.put({"type": "lifespan.startup"})
+    task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, queue.get, send))
+    await asyncio.wait_for(started.wait(), 30)
     try:
         yield
     finally:
-        with contextlib.suppress(StopAsyncIteration):
-            await lifespan.__anext__()
-
-
-async def gateway_lifespan(app: Any):
-    """Run the app's ASGI lifespan: yield once started, return once shut down."""
-    queue: asyncio.Queue = asyncio.Queue()
-    started, done = asyncio.Event(), asyncio.Event()
-    await queue.put({"type": "lifespan.startup"})
-
-    async def receive() -> dict:
-        return await queue.get()
-
-    async def send(message: dict) -> None:
-        if message["type"].startswith("lifespan.startup"):
-            if message["type"].endswith("failed"):
-                raise RuntimeError(message.get("message"))
-            started.set()
-        elif message["type"].startswith("lifespan.shutdown"):
-            done.set()
-
-    task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send))
-    await asyncio.wait_for(started.wait(), 30)
-    yield
-    await queue.put({"type": "lifespan.shutdown"})
-    await asyncio.wait_for(done.wait(), 30)
-    await task
+        await queue.put({"type": "lifespan.shutdown"})
+        await asyncio.wait_for(done.wait(), 30)
+        await task
 
 
 def render(args: argparse.Namespace, out: dict[str, dict[str, float]]) -> str:

@@ -175,3 +175,51 @@ def test_confine_accepts_only_the_version_folder(tmp_path: Path, path: str, reas
         with pytest.raises(CheckpointError) as err:
             confine(ann, root, JOB)
         assert err.value.reason == reason
+
+
+def test_refusals_written_from_two_places_at_once_are_audited_exactly_once(
+    tmp_path: Path, empty_valkey, redis_client
+) -> None:
+    """The stream loop and a load both flush the refusals; when they overlap on the same await, each refusal is
+    still one audit entry (CI once saw a symlink escape audited twice), and one refused during a write is kept."""
+    cfg = from_mapping({"job": JOB, "storage": {"checkpointDir": str(tmp_path)}})
+
+    async def go() -> None:
+        r = aioredis.from_url(empty_valkey.url)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{free_port()}", timeout=1) as engine:
+            rl = Reloader(cfg, r, engine, engine)
+            rl._refuse("v6", CheckpointError("a symlink out of the folder", "symlink_escape"))
+            first, second = asyncio.create_task(rl._write_refusals()), asyncio.create_task(rl._write_refusals())
+            await asyncio.sleep(0)  # both are now inside the write: the first awaits Redis, the second ran after it
+            rl._refuse("v7", CheckpointError("outside", "outside_checkpoint_dir"))  # refused while they write
+            await asyncio.gather(first, second)
+            await rl._write_refusals()
+            await r.aclose()
+
+    asyncio.run(go())
+    reasons = [orjson.loads(d)["reason"] for _, d in audit.read(redis_client, Keys(JOB))]
+    assert reasons == ["symlink_escape", "outside_checkpoint_dir"]
+
+
+def test_a_refusal_whose_audit_write_fails_is_written_on_the_next_try(
+    tmp_path: Path, empty_valkey, redis_client
+) -> None:
+    """Redis away during the write: the refusal stands, its audit entry waits in front of later ones."""
+    cfg = from_mapping({"job": JOB, "storage": {"checkpointDir": str(tmp_path)}})
+
+    async def go() -> None:
+        dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{free_port()}", timeout=1) as engine:
+            rl = Reloader(cfg, dead, engine, engine)
+            rl._refuse("v6", CheckpointError("a symlink out of the folder", "symlink_escape"))
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await rl._write_refusals()
+            rl._refuse("v7", CheckpointError("outside", "outside_checkpoint_dir"))
+            rl.redis = aioredis.from_url(empty_valkey.url)
+            await rl._write_refusals()
+            await rl.redis.aclose()
+            await dead.aclose()
+
+    asyncio.run(go())
+    reasons = [orjson.loads(d)["reason"] for _, d in audit.read(redis_client, Keys(JOB))]
+    assert reasons == ["symlink_escape", "outside_checkpoint_dir"]

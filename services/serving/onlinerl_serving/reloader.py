@@ -171,10 +171,19 @@ class Reloader:
         )
 
     async def _write_refusals(self) -> None:
-        """Audit what was refused; kept for the next try if Redis fails (the refusal itself already stands)."""
-        if self.refusals:
-            await audit.record_async(self.redis, self.keys, self.refusals)
-            self.refusals = []
+        """Audit what was refused; kept for the next try if Redis fails (the refusal itself already stands).
+
+        The batch is taken before the await: the stream loop and a load can both get here at once, and each entry
+        must be written by exactly one of them (a list read across the await was written twice, or a refusal
+        appended during the write was cleared unwritten)."""
+        batch, self.refusals = self.refusals, []
+        if not batch:
+            return
+        try:
+            await audit.record_async(self.redis, self.keys, batch)
+        except BaseException:
+            self.refusals[:0] = batch  # first in line for the next try, ahead of anything refused meanwhile
+            raise
 
     def _register(self, entry_id: Any, fields: dict[Any, Any]) -> None:
         """Take an announcement only if its path is the announced version's folder (checkpoints.confine): a poisoned

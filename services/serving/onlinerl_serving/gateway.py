@@ -276,8 +276,9 @@ class Gateway:
         watches the client itself), the whole response: vLLM's handler runs in this task (``post_whole``)."""
         try:
             if client_receive is not None:
-                return await self.pool.post_whole("/v1/completions", body, client_receive)
-            return await self.pool.post("/v1/completions", body)
+                resp = await self.pool.post_whole("/v1/completions", body, client_receive)
+            else:
+                resp = await self.pool.post("/v1/completions", body)
         except EngineTimeout:
             raise engine_timeout(self.cfg.serving.request_timeout_seconds) from None
         except EngineUnavailable as exc:
@@ -285,6 +286,8 @@ class Gateway:
             raise unavailable(
                 f"the inference engine is unavailable ({exc}); retry shortly", self.cfg.serving.retry_after_seconds
             ) from None
+        self.metrics.engine_calls.labels(resp.via).inc()
+        return resp
 
     async def _open_and_read(self, body: bytes) -> EngineResponse:
         """Non-streaming: open the request and read the whole response (vLLM sends its headers only when done)."""
@@ -466,11 +469,13 @@ class Gateway:
     async def _relay_body(
         self, resp: EngineResponse, ctx: _Ctx, receive: Receive, send: Send, headers: dict[str, str]
     ) -> int:
-        """Non-streaming: the response was read whole while watching the client (``_open_unless_client_leaves``)."""
-        raw = await resp.read()
-        await resp.aclose()
+        """Non-streaming: the response was read whole while watching the client (``_open_unless_client_leaves``).
+        In vLLM's process its dict comes as it is (vllm_completions.py); from a socket it is parsed here."""
         t = time.perf_counter()
-        payload = orjson.loads(raw)
+        try:
+            payload = await resp.json()
+        finally:
+            await resp.aclose()
         acc = RolloutAccumulator()
         for choice in payload.get("choices", ())[:1]:
             acc.add_choice(choice)

@@ -25,13 +25,17 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
+
 from onlinerl.asgi import ASGIApp, Receive, Scope, Send
 from onlinerl_serving.upstream import EngineTimeout, EngineUnavailable, with_queued
+from onlinerl_serving.vllm_completions import DirectAnswer, DirectCompletions
 
 log = logging.getLogger("onlinerl.gateway.inprocess")
 
 _EOF = object()
 START_TIMEOUT_SECONDS = 30.0
+COMPLETIONS = "/v1/completions"
 
 
 class InProcessResponse:
@@ -55,7 +59,21 @@ class InProcessResponse:
         self._waiter: asyncio.Future | None = None
         self._done = False
         self._whole: bytes | None = None
+        self._payload: Any = None  # a direct answer's parsed body (vllm_completions): never encoded to be parsed
+        self.via = "asgi"
         self.task: asyncio.Task | None = None
+
+    @classmethod
+    def of_direct(cls, answer: DirectAnswer, read_timeout: float) -> InProcessResponse:
+        """A finished response from vLLM's handler called directly (``DirectCompletions``)."""
+        resp = cls(read_timeout, b"")
+        resp.status_code, resp.client_left, resp._done = answer.status, answer.client_left, True
+        resp.headers, resp.via = [(b"content-type", b"application/json")], "direct"
+        if answer.payload is not None:
+            resp._payload = answer.payload
+        else:
+            resp._whole = answer.body
+        return resp
 
     # --- the ASGI side, called by vLLM's app ----------------------------------------------------------------
     async def receive(self) -> dict:
@@ -128,8 +146,17 @@ class InProcessResponse:
 
     async def read(self) -> bytes:
         if self._whole is None:
-            self._whole = b"".join([c async for c in self.chunks()])
+            if self._payload is not None:
+                self._whole = orjson.dumps(self._payload)
+            else:
+                self._whole = b"".join([c async for c in self.chunks()])
         return self._whole
+
+    async def json(self) -> Any:
+        """The body parsed; a direct answer's dict as it is."""
+        if self._payload is not None:
+            return self._payload
+        return orjson.loads(await self.read())
 
     async def aclose(self) -> None:
         """Unfinished: tell vLLM the client left (it aborts the generation), then make sure its handler ends."""
@@ -154,6 +181,7 @@ class InProcessEngine:
         self.app = app
         self.read_timeout = read_timeout
         self.app_scope: dict[str, Any] = {}
+        self.direct: DirectCompletions | None = None  # vLLM's completion handler as a function (set at startup)
         self._tasks: set[asyncio.Task] = set()
 
     def _scope(self, method: str, path: str, body: bytes) -> Scope:
@@ -211,10 +239,19 @@ class InProcessEngine:
         headers only when the generation is done. A task of its own for vLLM's handler, the wait for its headers and
         the wait for its body each cost a turn of vLLM's event loop on the user's path; here there are none. The
         client's leaving still reaches vLLM's handler through ``client_receive`` (it aborts, and ``client_left``
-        says so), and the engine's read timeout still applies."""
+        says so), and the engine's read timeout still applies.
+
+        ``/v1/completions`` goes straight to vLLM's handler when :attr:`direct` is set and takes the body
+        (vllm_completions.py): no HTTP route, no JSON written to be parsed again."""
+        direct = self.direct if path == COMPLETIONS else None
+        request = direct.request_of(body) if direct is not None else None
         resp = InProcessResponse(self.read_timeout, body, client_receive)
         try:
             async with asyncio.timeout(self.read_timeout):
+                if direct is not None and request is not None:
+                    return InProcessResponse.of_direct(
+                        await direct.complete(request, client_receive), self.read_timeout
+                    )
                 await self.app(self._scope("POST", path, body), resp.receive, resp.send)
         except TimeoutError:
             raise EngineTimeout(f"no answer from the engine within {self.read_timeout:.0f} s") from None
@@ -280,6 +317,7 @@ class InProcessGateway:
         cfg = (self.config_loader or load_config)()
         self.engine = InProcessEngine(self.app, read_timeout=cfg.serving.request_timeout_seconds)
         self.engine.app_scope = {"app": lifespan_scope.get("app"), "state": lifespan_scope.get("state")}
+        self.engine.direct = DirectCompletions.for_app(lifespan_scope.get("app"))
         self._server = server_in_this_loop(create_app(cfg, engine=self.engine), cfg.serving.host, cfg.serving.port)
         # Server.serve() would take over SIGINT/SIGTERM from vLLM's own server; _serve() is serve() without that.
         serve = getattr(self._server, "_serve", self._server.serve)

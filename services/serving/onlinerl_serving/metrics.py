@@ -68,6 +68,13 @@ class GatewayMetrics:
             registry=r,
         )
         self.engine_up = Gauge("onlinerl_serving_engine_up", "1 when vLLM answers /v1/models.", registry=r)
+        self.engine_calls = Counter(
+            "onlinerl_serving_engine_calls_total",
+            "Completion requests handed to vLLM, by how they reached it: socket (sidecar), asgi (vLLM's app in its "
+            "process), direct (its completion handler called as a function, non-streaming in its process).",
+            ["via"],
+            registry=r,
+        )
         self.policy_version = Gauge(
             "onlinerl_serving_policy_version",
             "Versions in the cached policy table of each policy line routed here (-1: none).",

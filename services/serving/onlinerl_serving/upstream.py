@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import httptools
+import orjson
 
 _EOF = object()
 IDLE_SECONDS = 4.0  # below uvicorn's 5 s keep-alive timeout in vLLM: never reuse a connection the server may drop
@@ -125,6 +126,7 @@ class UpstreamResponse:
         self._done = False
         self._body: bytes | None = None
         self.client_left = False
+        self.via = "socket"
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body data as it arrives; pieces that arrived together come as one (one relay write instead of many:
@@ -142,6 +144,10 @@ class UpstreamResponse:
             self._body = b"".join([c async for c in self.chunks()])
         return self._body
 
+    async def json(self) -> Any:
+        """The whole body, parsed."""
+        return orjson.loads(await self.read())
+
     async def aclose(self) -> None:
         """Back to the pool if the response was read to the end; else close (vLLM aborts the request)."""
         if self._done and self._conn.keep_alive and not self._conn.closed:
@@ -156,10 +162,13 @@ class EngineResponse(Protocol):
     status_code: int
     headers: list[tuple[bytes, bytes]]
     client_left: bool  # the client's disconnect reached the engine (only an engine that relays it)
+    via: str  # how it reached vLLM: "socket", "asgi" or "direct" (onlinerl_serving_engine_calls_total)
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
     async def read(self) -> bytes: ...
+
+    async def json(self) -> Any: ...
 
     async def aclose(self) -> None: ...
 

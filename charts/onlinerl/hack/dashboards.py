@@ -1244,9 +1244,20 @@ def serving() -> dict[str, Any]:
                 )
             ],
             "ops",
-            width=24,
+            width=12,
             description="Records dropped oldest-first when a tenant exceeds serving.maxRecordsPerTenant: their "
             "feedback can no longer join. Raise the cap or lower the record TTL.",
+        ),
+        Panel(
+            "Completions handed to vLLM, by path",
+            "timeseries",
+            [(f"sum by (via) (rate({sel('onlinerl_serving_engine_calls_total')}[$__rate_interval]))", "{{via}}")],
+            "reqps",
+            width=12,
+            description="How the gateway reached vLLM: socket (sidecar), asgi (vLLM's app in its process), direct "
+            "(its completion handler called as a function: in-process, non-streaming). In-process, non-streaming "
+            "requests should all be direct; asgi for them means this vLLM lacks the serving API the direct call "
+            "needs (the gateway logs why at startup), or ONLINERL_INPROCESS_DIRECT=0.",
         ),
         Row("vLLM engine"),
         Panel(

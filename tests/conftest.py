@@ -24,6 +24,7 @@ from onlinerl import valkey as valkey_module
 from onlinerl.valkey import EmbeddedValkey
 from tests.engines import PLAN, EnginePool, SharedEngine
 from tests.lanes import engine_worker, needs_vllm, worker_port_range, write_lane, yield_to_the_engine_lane
+from tests.reaper import Reaper, reap_what_tests_start
 
 # One torch thread per process: tests share 2 cores with servers they start.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -184,6 +185,7 @@ def _module_of(item: pytest.Item) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     yield_to_the_engine_lane()
+    reap_what_tests_start(Reaper())  # what this process starts dies with it, even if pytest is killed (tests/reaper.py)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:

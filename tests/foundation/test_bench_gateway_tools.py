@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from bench.affinity import isolate_engines
-from onlinerl.procs import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CORES = sorted(os.sched_getaffinity(0))
@@ -38,11 +37,15 @@ def test_the_gateway_harness_measures_a_gateway_that_stores_every_record() -> No
 
 
 def sleeper(*title: str) -> subprocess.Popen:
-    """A process whose command line carries ``title`` (vLLM names its engine ``VLLM::EngineCore``), with a thread."""
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
-    proc = subprocess.Popen([sys.executable, "-c", code, *title, "sleeper"])
-    # Until the child has exec'd, /proc shows the forking pytest's command line (and no title): wait for ours.
-    wait_for(lambda: b"sleeper" in Path(f"/proc/{proc.pid}/cmdline").read_bytes(), 10, what="the sleeper's exec")
+    """A process whose command line carries ``title`` (vLLM names its engine ``VLLM::EngineCore``), with a thread;
+    returned once both threads run (before that, /proc could show the forking pytest's command line, or a thread
+    could start after its process was placed and keep the old affinity)."""
+    code = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, *title], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     return proc
 
 

@@ -26,6 +26,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionResponse, Comp
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
+from onlinerl_serving import vllm_completions
 from onlinerl_serving.inprocess import InProcessEngine
 from onlinerl_serving.vllm_completions import DIRECT_ENV, DirectCompletions
 
@@ -157,6 +158,11 @@ def test_the_direct_path_is_off_where_it_must_be(monkeypatch: pytest.MonkeyPatch
     tracked = types.SimpleNamespace(openai_serving_completion=serving, enable_server_load_tracking=True)
     assert DirectCompletions.for_app(types.SimpleNamespace(state=tracked)) is None  # the route counts the load
     monkeypatch.setenv(DIRECT_ENV, "0")
+    assert DirectCompletions.for_app(types.SimpleNamespace(state=state)) is None
+    monkeypatch.delenv(DIRECT_ENV)
+    # Another vLLM release (an upstream GPU image's): its serving API was not read, so a changed signature must not
+    # fail every request; the route serves.
+    monkeypatch.setattr(vllm_completions, "vllm_version", lambda: "0.99.0")
     assert DirectCompletions.for_app(types.SimpleNamespace(state=state)) is None
 
 

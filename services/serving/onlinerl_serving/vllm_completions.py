@@ -16,8 +16,10 @@ the route would have encoded. What the route adds is kept:
   goes through vLLM's ASGI app as before, so every error is worded by vLLM itself.
 
 vLLM's HTTP middleware does not see these requests (its per-route HTTP metrics); the engine's own metrics count
-them as before. Tied to vLLM's internal serving API (0.32): :meth:`DirectCompletions.for_app` returns None, and the
-gateway keeps the ASGI path, when that API is not there. ``ONLINERL_INPROCESS_DIRECT=0`` turns it off.
+them as before. Tied to vLLM's internal serving API as read in the releases of ``vllm_plugin.READ_AGAINST``: on any
+other vLLM (an upstream GPU image's, say), or where that API is missing, :meth:`DirectCompletions.for_app` returns
+None and the gateway keeps the ASGI path, since a changed signature would fail every request rather than one.
+``ONLINERL_INPROCESS_DIRECT=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ from onlinerl.asgi import Receive
 log = logging.getLogger("onlinerl.gateway.inprocess")
 
 DIRECT_ENV = "ONLINERL_INPROCESS_DIRECT"
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+    except ImportError:
+        return "(none)"
+    return str(getattr(vllm, "__version__", "(unknown)"))
 
 
 @dataclass(slots=True)
@@ -72,6 +82,16 @@ class DirectCompletions:
             return None
         if getattr(state, "enable_server_load_tracking", False):  # the route's load_aware_call counts requests
             log.info("vLLM tracks server load per route: completions go through its HTTP route")
+            return None
+        from onlinerl_serving.vllm_plugin import READ_AGAINST  # here: the plugin module imports torch
+
+        version = vllm_version()
+        if not version.startswith(READ_AGAINST):
+            log.info(
+                "vLLM %s is not a release its serving API was read against %s: its HTTP route serves",
+                version,
+                READ_AGAINST,
+            )
             return None
         try:
             from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse

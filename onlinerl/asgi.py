@@ -11,6 +11,31 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+def http_scope(
+    method: str,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    client: tuple[str, int] = ("127.0.0.1", 0),
+    server: tuple[str, int] = ("127.0.0.1", 0),
+) -> dict[str, Any]:
+    """The ASGI scope of one HTTP/1.1 request as a server hands it to an app (no query string): for the callers that
+    play the server themselves (the in-process engine client calling vLLM's app, the gateway-alone benchmark)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode("latin-1"),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": client,
+        "server": server,
+    }
+
+
 def with_hot_route(app: ASGIApp, method: str, path: str, handler: ASGIApp) -> ASGIApp:
     """``method path`` goes straight to ``handler``; everything else (lifespan included) to ``app``.
 

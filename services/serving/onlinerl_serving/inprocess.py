@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from onlinerl.asgi import ASGIApp, Receive, Scope, Send
+from onlinerl.asgi import ASGIApp, Receive, Scope, Send, http_scope
 from onlinerl_serving.upstream import EngineTimeout, EngineUnavailable, with_queued
 from onlinerl_serving.vllm_completions import DirectAnswer, DirectCompletions
 
@@ -185,25 +185,13 @@ class InProcessEngine:
         self._tasks: set[asyncio.Task] = set()
 
     def _scope(self, method: str, path: str, body: bytes) -> Scope:
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": method,
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode("latin-1"),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [
-                (b"host", b"in-process"),
-                (b"content-type", b"application/json"),
-                (b"accept", b"*/*"),
-                (b"content-length", str(len(body)).encode("latin-1")),
-            ],
-            "client": ("127.0.0.1", 0),
-            "server": ("127.0.0.1", 0),
-        }
+        headers = [
+            (b"host", b"in-process"),
+            (b"content-type", b"application/json"),
+            (b"accept", b"*/*"),
+            (b"content-length", str(len(body)).encode("latin-1")),
+        ]
+        scope = http_scope(method, path, headers)
         if "app" in self.app_scope:
             scope["app"] = self.app_scope["app"]
         if self.app_scope.get("state") is not None:

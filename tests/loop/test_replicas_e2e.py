@@ -250,7 +250,9 @@ def test_two_replicas_switch_and_rollback_under_8_streaming_clients(env: Env) ->
     assert {c.name for c in env.stack.children} >= {"vllm-0", "vllm-1", "balancer"}
     assert not {c.name for c in env.stack.children} & {"gateway-0", "gateway-1"}  # each gateway is in its vLLM
     for i in (0, 1):  # and logs there, as the sidecar logged to its own file
-        assert "onlinerl gateway in vLLM's process on" in (env.stack.paths.logs / f"vllm-{i}.log").read_text()
+        log = (env.stack.paths.logs / f"vllm-{i}.log").read_text()
+        assert "onlinerl gateway in vLLM's process on" in log
+        assert "from a table per token id" in log  # the token strings' cache is in vLLM's API server (issue 40)
     clients = Clients(env.url, env.stack.api_key).start()
     try:
         wait_for(lambda: sum(s.ok for s in clients.served) >= 16, 60, what="16 requests served before the switch")

@@ -23,8 +23,9 @@ Nothing else changes: the same token ids and log-probs, values and dtypes (tests
 compares them with vLLM's own functions). GPU engines run upstream vLLM images without this package; there, and on
 any other vLLM release, :func:`register` changes nothing and logs why.
 
-vLLM loads general plugins in every process it starts (API server, engine core, workers) and may load them more
-than once: :func:`register` is idempotent.
+vLLM 0.32 loads general plugins in the engine core and its workers (not in the API server) and may load them more
+than once: :func:`register` is idempotent. The API server's share of the log-probs' cost is handled by the in-process
+gateway, which runs there (onlinerl_serving.vllm_token_strings).
 """
 
 from __future__ import annotations
@@ -60,15 +61,18 @@ def count_rank() -> bool:
 
 def sampled_only(original):
     """``Sampler.gather_logprobs`` that answers ``num_logprobs == 0`` itself (the sampled token alone: what the
-    gateway asks for) and hands every other count to ``original``."""
+    gateway asks for) and hands every other count to ``original``. ``ONLINERL_VLLM_COUNT_RANK`` is read here, once,
+    not per generated token."""
     from vllm.v1.outputs import LogprobsTensors
+
+    counted = count_rank()
 
     def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
         if num_logprobs != 0:
             return original(logprobs, num_logprobs, token_ids)
         token_ids = token_ids.unsqueeze(-1)  # [n, 1]
         token_logprobs = logprobs.gather(-1, token_ids)  # [n, 1]
-        if count_rank():
+        if counted:
             ranks = count_at_least_eager(logprobs, token_logprobs)  # [n]
         else:
             ranks = torch.zeros(token_ids.shape[0], dtype=torch.int64)  # [n]: 0 = not counted (module docstring)

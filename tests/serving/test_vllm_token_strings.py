@@ -164,3 +164,93 @@ def test_install_changes_nothing_outside_vllms_process_or_on_another_release(mon
     monkeypatch.delitem(sys.modules, "vllm")  # a test's stand-in app: vLLM was never imported
     assert vllm_token_strings.install() is None
     assert logprobs.convert_ids_list_to_tokens is original
+
+
+def test_a_prefilled_table_decodes_no_generated_token(pooled_tokenizer, monkeypatch):
+    from vllm.v1.engine import logprobs
+
+    original = getattr(logprobs.convert_ids_list_to_tokens, "onlinerl_original", logprobs.convert_ids_list_to_tokens)
+    asked: list[int] = []
+
+    def counting(tokenizer, token_ids):
+        asked.extend(token_ids)
+        return original(tokenizer, token_ids)
+
+    monkeypatch.setattr(logprobs, "convert_ids_list_to_tokens", cached_token_strings(counting))
+    assert vllm_token_strings.prefill(pooled_tokenizer) == len(pooled_tokenizer) == 49152
+    assert vllm_token_strings.prefill(pooled_tokenizer) == 0  # every id is held already
+    asked.clear()
+    text = "naïve café → 😀 def f(x):\n    return x  # 中文"
+    ids = pooled_tokenizer.encode(text, add_special_tokens=False)
+    assert "".join(sampled_strings(pooled_tokenizer, ids)) == text
+    assert asked == []  # every generated token's string came from the table
+
+
+def test_prefill_changes_nothing_without_the_table_or_a_keyable_tokenizer(monkeypatch):
+    from vllm.v1.engine import logprobs
+
+    original = getattr(logprobs.convert_ids_list_to_tokens, "onlinerl_original", logprobs.convert_ids_list_to_tokens)
+    monkeypatch.setattr(logprobs, "convert_ids_list_to_tokens", original)
+    assert vllm_token_strings.prefill(Tok("x")) == 0  # vLLM's own function: nothing to fill
+
+    class Sized(Tok):
+        __hash__ = None  # type: ignore[assignment]
+
+        def __len__(self) -> int:
+            return 3
+
+    original_counting = Counting()
+    monkeypatch.setattr(logprobs, "convert_ids_list_to_tokens", cached_token_strings(original_counting))
+    assert vllm_token_strings.prefill(Sized("s")) == 0
+    assert vllm_token_strings.prefill(Tok("no length")) == 0
+    assert original_counting.asked == []
+
+
+def test_the_serving_tokenizer_is_the_one_vllms_output_processor_holds():
+    from types import SimpleNamespace
+
+    tok = Tok("served")
+    processor = SimpleNamespace(tokenizer=tok)
+    app = SimpleNamespace(state=SimpleNamespace(engine_client=SimpleNamespace(output_processor=processor)))
+    assert vllm_token_strings.serving_tokenizer(app) is tok
+    assert vllm_token_strings.serving_tokenizer(SimpleNamespace(state=SimpleNamespace())) is None
+    assert vllm_token_strings.serving_tokenizer(None) is None
+
+
+def vllm_app(tokenizer):
+    """What install_and_fill reads of vLLM's FastAPI app: the output processor's tokenizer."""
+    from types import SimpleNamespace
+
+    client = SimpleNamespace(output_processor=SimpleNamespace(tokenizer=tokenizer))
+    return SimpleNamespace(state=SimpleNamespace(engine_client=client))
+
+
+def test_the_gateway_start_installs_fills_and_logs_once(pooled_tokenizer, monkeypatch, caplog):
+    from vllm.v1.engine import logprobs
+
+    original = getattr(logprobs.convert_ids_list_to_tokens, "onlinerl_original", logprobs.convert_ids_list_to_tokens)
+    monkeypatch.setattr(logprobs, "convert_ids_list_to_tokens", original)
+    caplog.set_level("INFO", logger="onlinerl.gateway.inprocess")
+    assert vllm_token_strings.install_and_fill(vllm_app(pooled_tokenizer)) == 49152
+    assert "from a table per token id: 49152 decoded at start" in caplog.text
+    assert vllm_token_strings.install_and_fill(vllm_app(pooled_tokenizer)) is None  # installed already
+
+
+def test_a_tokenizer_that_fails_at_start_leaves_the_table_to_fill_as_ids_come(monkeypatch, caplog):
+    from vllm.v1.engine import logprobs
+
+    class Failing(Tok):
+        def __len__(self) -> int:
+            return 10
+
+    def vllms(tokenizer, token_ids):
+        if len(token_ids) > 1:
+            raise RuntimeError("id 7 has no string")
+        return [f"<{t}>" for t in token_ids]
+
+    monkeypatch.setattr(logprobs, "convert_ids_list_to_tokens", vllms)
+    tok = Failing("f")
+    assert vllm_token_strings.install_and_fill(vllm_app(tok)) == 0  # serving starts
+    assert "could not be decoded at start" in caplog.text and "id 7 has no string" in caplog.text
+    assert logprobs.convert_ids_list_to_tokens(tok, [3]) == ["<3>"]  # installed: the table fills as ids come
+    assert dict(logprobs.convert_ids_list_to_tokens.tables[tok]) == {3: "<3>"}

@@ -307,8 +307,7 @@ class InProcessGateway:
         self.engine = InProcessEngine(self.app, read_timeout=cfg.serving.request_timeout_seconds)
         self.engine.app_scope = {"app": lifespan_scope.get("app"), "state": lifespan_scope.get("state")}
         self.engine.direct = DirectCompletions.for_app(lifespan_scope.get("app"))
-        if vllm_token_strings.install():
-            log.info("vLLM's log-probs get each sampled token's string from a table per token id (decoded once)")
+        vllm_token_strings.install_and_fill(lifespan_scope.get("app"))
         self._server = server_in_this_loop(create_app(cfg, engine=self.engine), cfg.serving.host, cfg.serving.port)
         # Server.serve() would take over SIGINT/SIGTERM from vLLM's own server; _serve() is serve() without that.
         serve = getattr(self._server, "_serve", self._server.serve)

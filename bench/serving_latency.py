@@ -7,13 +7,14 @@ Three paths, round-robin in one run (so machine noise hits all alike):
                 proxy's own cost (a --baseline-ref gateway sends its own commit's body, which may differ);
   gateway       through the gateway (auth, routing, relay, rollout record write sent to Redis before [DONE]);
 and with --baseline-ref REF a fourth, the gateway as of that commit (same valkey, same vLLM): before/after in one run;
-with --in-process, ``gateway (in-process)``: the gateway inside the same vLLM's process (serving.gatewayMode).
+and ``gateway (in-process)``: the gateway inside the same vLLM's process (serving.gatewayMode: inProcess, what its
+default, auto, runs wherever the engine image can load it; --no-in-process leaves it out).
 For each: non-stream total, stream time-to-first-token and stream total, p50 and p99, sequential requests.
 
     .venv/bin/python bench/serving_latency.py                 # starts valkey + vLLM (tiny model) + gateway
     .venv/bin/python bench/serving_latency.py --engine-url http://127.0.0.1:8001 --model-path DIR
     .venv/bin/python bench/serving_latency.py -n 200 --baseline-ref bcd9172
-    .venv/bin/python bench/serving_latency.py -n 200 --in-process     # sidecar and in-process, one vLLM
+    .venv/bin/python bench/serving_latency.py -n 200 --no-in-process  # the sidecar gateway alone
 """
 
 from __future__ import annotations
@@ -328,9 +329,11 @@ def main() -> int:
     )
     ap.add_argument(
         "--in-process",
-        action="store_true",
-        help="start vLLM with the gateway inside it (serving.gatewayMode: inProcess) and time that gateway too, "
-        "beside the sidecar gateway on the same vLLM",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start vLLM with the gateway inside it (serving.gatewayMode: inProcess, what auto runs wherever the "
+        "engine image can load it) and time that gateway too, beside the sidecar gateway on the same vLLM "
+        "(--no-in-process: the sidecar alone)",
     )
     ap.add_argument(
         "--passthrough",

@@ -209,13 +209,15 @@ class ServingConfig(_Section):
         "logged with the tenant) and the user's request still succeeds; an evicted rollout can no longer be rated. "
         "Each record also expires redis.rolloutTtlSeconds after it was written.",
     )
-    gateway_mode: Literal["sidecar", "inProcess"] = Field(
-        "sidecar",
+    gateway_mode: Literal["auto", "sidecar", "inProcess"] = Field(
+        "auto",
         description="Where the gateway runs: sidecar = its own process beside vLLM, reaching it over loopback HTTP; "
         "inProcess = inside vLLM's API server process (loaded with vLLM's --middleware), calling vLLM's app "
         "directly: no second hop, about 1-2 ms less per completion (bench/RESULTS.md, issue 40). The gateway's port, "
         "routes and behaviour are the same; vLLM stays on loopback. inProcess needs the onlinerl serving package "
-        "in the engine's image (the CPU engine image has it; for GPUs see services/serving/Dockerfile.engine-gpu).",
+        "in the engine's image (the CPU engine image has it; for GPUs see services/serving/Dockerfile.engine-gpu). "
+        "auto (the default) = inProcess wherever the engine's image has that package, sidecar on upstream vLLM's "
+        "image (serving.gpus above 0 with images.vllm upstream's).",
     )
     weights_mode: Literal["lora", "full"] = "lora"
     lora: ServingLoraConfig = Field(default_factory=ServingLoraConfig)

@@ -5,7 +5,9 @@ Kept here, in the shared library, because the operator does not import serving c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+from onlinerl.config_rules import is_upstream_vllm_image
 
 if TYPE_CHECKING:
     from onlinerl.config import OnlineRLConfig
@@ -39,7 +41,20 @@ def lora_args(cfg: OnlineRLConfig) -> list[str]:
 IN_PROCESS_GATEWAY = "onlinerl_serving.inprocess.InProcessGateway"
 
 
+def gateway_mode(cfg: OnlineRLConfig) -> Literal["sidecar", "inProcess"]:
+    """Where this job's gateway runs, ``serving.gatewayMode`` with ``auto`` resolved: in vLLM's process wherever the
+    engine's image carries onlinerl's serving package (every CPU engine, the local stack's engines, our GPU engine
+    image), as its own process only on upstream vLLM's image, which cannot load it. Why auto is the default: the
+    in-process gateway is the one that meets issue 40's latency bars (bench/RESULTS.md); the sidecar adds a second
+    loopback hop, 1-2 ms per completion."""
+    mode = cfg.serving.gateway_mode
+    if mode != "auto":
+        return mode
+    upstream = cfg.serving.gpus > 0 and is_upstream_vllm_image(cfg.images.vllm)
+    return "sidecar" if upstream else "inProcess"
+
+
 def gateway_args(cfg: OnlineRLConfig) -> list[str]:
-    """``serving.gatewayMode: inProcess``: vLLM's API server loads the gateway as its middleware
+    """The gateway in vLLM's process (:func:`gateway_mode`): vLLM's API server loads it as its middleware
     (services/serving/onlinerl_serving/inprocess.py), so the gateway calls vLLM's app without a second hop."""
-    return ["--middleware", IN_PROCESS_GATEWAY] if cfg.serving.gateway_mode == "inProcess" else []
+    return ["--middleware", IN_PROCESS_GATEWAY] if gateway_mode(cfg) == "inProcess" else []

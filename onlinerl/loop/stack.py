@@ -33,6 +33,7 @@ from onlinerl.procs import Child, StartupError, Supervisor, python_module, stop_
 from onlinerl.redisconn import redacted
 from onlinerl.secretfile import write_secret
 from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
+from onlinerl.vllm_flags import gateway_mode
 
 DEMO_TENANT = "demo"
 # Each local child's Redis user: the gateway and the reloader have their own, as in a Kubernetes serving pod.
@@ -278,8 +279,8 @@ def effective_config(
     (``serving.gatewayMode: inProcess``: no second hop, issue 40); the config's default, ``sidecar``, is a pod's,
     whose upstream GPU vLLM image lacks onlinerl."""
     data = cfg.dump()
-    if own_engines and "gateway_mode" not in cfg.serving.model_fields_set:
-        data["serving"]["gatewayMode"] = "inProcess"
+    if cfg.serving.gateway_mode == "auto":  # our own engines can load it; a running one may be any vLLM
+        data["serving"]["gatewayMode"] = "inProcess" if own_engines else "sidecar"
     data["redis"]["url"] = redis_url
     data["serving"]["host"] = host
     data["feedback"]["host"] = host
@@ -383,14 +384,14 @@ class Stack:
             )
             name = f"vllm{rep.suffix(single)}"
             env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, environ) | shared
-            if self.cfg.serving.gateway_mode == "inProcess":  # the gateway runs in this process: its config and user
+            if gateway_mode(self.cfg) == "inProcess":  # the gateway runs in this process: its config and user
                 env = self.child_env("gateway") | env
             child = Child(name, argv, self.paths.logs / f"{name}.log", env=env)
             self.children.append(child.start())  # appended first: a failed start is stopped with the rest
             started.append(child)
         for rep, child in zip(replicas, started, strict=True):
             child.wait_healthy(f"http://127.0.0.1:{rep.engine}/v1/models", timeout)
-            if self.cfg.serving.gateway_mode == "inProcess":
+            if gateway_mode(self.cfg) == "inProcess":
                 child.wait_healthy(f"{rep.gateway_url}/healthz", 60)
         return started
 
@@ -410,7 +411,7 @@ class Stack:
         if external_engine:
             if not single:
                 raise ValueError("an external engine serves one replica: serving.replicas must be 1")
-            if self.cfg.serving.gateway_mode == "inProcess":
+            if gateway_mode(self.cfg) == "inProcess":
                 raise ValueError("serving.gatewayMode inProcess runs the gateway inside the vLLM it starts")
             on_step(f"using the running vLLM at {self.cfg.serving.engine_url}")
         else:
@@ -419,7 +420,7 @@ class Stack:
             on_step("vLLM healthy")
         for rep in self.replicas:
             env, sfx = rep.env(single), rep.suffix(single)
-            if self.cfg.serving.gateway_mode == "sidecar":  # inProcess: it runs inside vLLM, already started
+            if gateway_mode(self.cfg) == "sidecar":  # inProcess: it runs inside vLLM, already started
                 self.start_child(
                     f"gateway{sfx}", "onlinerl_serving.gateway", f"{rep.gateway_url}/healthz", 60, env, "gateway"
                 )

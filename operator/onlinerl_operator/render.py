@@ -5,7 +5,8 @@ Ports, paths and entry points follow docs/architecture.md; each pod reads the co
 ``$ONLINERL_CONFIG``. vLLM binds 127.0.0.1:8001 inside the serving pod: only the gateway port leaves the pod, and a
 NetworkPolicy per component admits only its declared ports (Redis: only this job's pods and the operator). The gateway
 is a container of its own (``serving.gatewayMode: sidecar``) or runs inside the vllm container's process
-(``inProcess``, issue 40: :func:`serving_containers`); either way its port is the pod's ``http`` port.
+(``inProcess``, issue 40: :func:`serving_containers`); ``auto``, the default, picks the latter wherever the engine's
+image can load it (onlinerl.vllm_flags.gateway_mode). Either way its port is the pod's ``http`` port.
 
 The in-cluster Redis has one ACL user per component (onlinerl.dataplane.acl, generated from the data-plane contract;
 ``default`` off). Their passwords live in a Secret (``redis.passwordSecret``, or ``<job>-redis-users`` that the
@@ -35,6 +36,7 @@ from onlinerl.vllm_flags import (
     CPU_IN_PROCESS_EXECUTOR_ARGS,
     CPU_IN_PROCESS_EXECUTOR_ENV,
     gateway_args,
+    gateway_mode,
     lora_args,
 )
 from onlinerl_operator import constants as c
@@ -398,9 +400,9 @@ def vllm_container(ctx: RenderContext) -> dict[str, Any]:
 
 
 def in_process_gateway(ctx: RenderContext) -> bool:
-    """``serving.gatewayMode: inProcess``: the gateway runs in the vllm container's process, no container of its
-    own (issue 40: no second hop between the gateway and vLLM)."""
-    return ctx.cfg.serving.gateway_mode == "inProcess"
+    """The gateway runs in the vllm container's process, no container of its own (issue 40: no second hop between
+    the gateway and vLLM): ``serving.gatewayMode: inProcess``, or ``auto`` on an engine image that can load it."""
+    return gateway_mode(ctx.cfg) == "inProcess"
 
 
 def _gateway_port(ctx: RenderContext) -> dict[str, Any]:

@@ -115,9 +115,10 @@ def test_redis_starts_with_the_jobs_users_and_probes_as_one() -> None:
 def test_every_component_gets_the_password_through_its_env_never_the_config_map() -> None:
     ctx = ctx_for("demo", monitoring_api=False)
     objs = by_kind(render_all(ctx))
-    pods = {  # container -> its Redis user
-        ("gateway", "gateway"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][1],
-        ("reloader", "reloader"): objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"][2],
+    serving = {ct["name"]: ct for ct in objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]["containers"]}
+    pods = {  # container -> its Redis user; the demo's gateway runs in the vllm container (gatewayMode auto, CPU)
+        ("vllm", "gateway"): serving["vllm"],
+        ("reloader", "reloader"): serving["reloader"],
         ("feedback", "feedback"): objs[("Deployment", "demo-feedback")]["spec"]["template"]["spec"]["containers"][0],
         ("trainer", "trainer"): objs[("Job", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0],
     }

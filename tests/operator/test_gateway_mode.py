@@ -18,7 +18,7 @@ import yaml
 
 from onlinerl.config import from_mapping
 from onlinerl.config_rules import ENGINE_GPU_IMAGE
-from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, IN_PROCESS_GATEWAY
+from onlinerl.vllm_flags import BEHAVIOUR_LOGPROBS_ARGS, IN_PROCESS_GATEWAY, gateway_args, gateway_mode
 from onlinerl_operator import constants as c
 from onlinerl_operator import render_scaling
 from onlinerl_operator.render import (
@@ -69,6 +69,25 @@ def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 # --- rendering ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "serving, images, expected",
+    [
+        ({}, {}, "inProcess"),  # CPU: our engine image carries the serving package
+        ({"gpus": 1}, {}, "sidecar"),  # upstream vLLM's GPU image cannot load it
+        ({"gpus": 1}, {"vllm": "docker.io/vllm/vllm-openai@sha256:" + "0" * 64}, "sidecar"),
+        ({"gpus": 1}, {"vllm": ENGINE_GPU_IMAGE}, "inProcess"),  # our GPU engine image can
+        ({"gatewayMode": "sidecar"}, {}, "sidecar"),  # what a job says wins
+        ({"gatewayMode": "inProcess", "gpus": 1}, {"vllm": ENGINE_GPU_IMAGE}, "inProcess"),
+    ],
+)
+def test_auto_runs_the_gateway_in_vllms_process_wherever_the_engine_image_can_load_it(
+    serving: dict[str, Any], images: dict[str, Any], expected: str
+) -> None:
+    cfg = from_mapping({"serving": serving, "images": images})
+    assert gateway_mode(cfg) == expected
+    assert (MIDDLEWARE[0] in gateway_args(cfg)) == (expected == "inProcess")
+
+
 @pytest.mark.parametrize(("mode", "gateway_in"), [("sidecar", "gateway"), ("inProcess", "vllm")])
 def test_everything_that_reaches_the_gateway_finds_it_in_both_modes(mode: str, gateway_in: str) -> None:
     """Service targetPort, NetworkPolicy, ServiceMonitor and PodMonitor (port ``http``) resolve to the container
@@ -265,8 +284,9 @@ def test_a_serving_pod_template_merges_without_conflict_in_process() -> None:
 async def test_the_operator_switches_a_running_job_to_in_process_and_back(cluster: Cluster, empty_valkey) -> None:
     """A sidecar job patched to inProcess: the operator applies the serving Deployment without the gateway container
     (server-side apply removes it on a real API server: the manifest no longer names it) and with the middleware; the
-    Service still targets http. Back to sidecar, the gateway container returns."""
-    spec = {"auth": {"allowAnonymous": True}, "redis": {"url": empty_valkey.url}}
+    Service still targets http. Back to sidecar, the gateway container returns; at auto (the default) on the CPU engine
+    image, it runs in vLLM's process again."""
+    spec = {"auth": {"allowAnonymous": True}, "redis": {"url": empty_valkey.url}, "serving": {"gatewayMode": "sidecar"}}
     await cluster.apply_job("demo", spec)
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 1, what="first reconcile")
 
@@ -285,6 +305,9 @@ async def test_the_operator_switches_a_running_job_to_in_process_and_back(cluste
     await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 3, what="observedGeneration 3")
     assert [ct["name"] for ct in pod()["containers"]] == ["vllm", "gateway", "reloader"]
     assert "--middleware" not in pod()["containers"][0]["args"]
+    await cluster.patch_spec("demo", {"serving": {"gatewayMode": "auto"}})
+    await wait_until(lambda: cluster.status("demo").get("observedGeneration") == 4, what="observedGeneration 4")
+    assert [ct["name"] for ct in pod()["containers"]] == ["vllm", "reloader"]
 
 
 async def test_the_operator_refuses_in_process_on_upstream_vllm(cluster: Cluster, empty_valkey) -> None:

@@ -39,11 +39,17 @@ def redis_url_ref(container: dict) -> dict | None:
     return None if url is None else url["valueFrom"]["secretKeyRef"]
 
 
-def test_each_container_reads_its_own_users_url() -> None:
-    ctx = RenderContext(name="demo", namespace=NS, uid=UID, cfg=parse_spec("demo", SPEC))
+@pytest.mark.parametrize("gateway_mode, gateway_in", [(None, "vllm"), ("sidecar", "gateway"), ("inProcess", "vllm")])
+def test_each_container_reads_its_own_users_url(gateway_mode: str | None, gateway_in: str) -> None:
+    """Each container as its own user; the gateway's user wherever the gateway runs: its own container (sidecar), or
+    the vllm container's process (inProcess, and the default on the CPU engine image)."""
+    spec = SPEC if gateway_mode is None else {**SPEC, "serving": {"gatewayMode": gateway_mode}}
+    ctx = RenderContext(name="demo", namespace=NS, uid=UID, cfg=parse_spec("demo", spec))
     found = containers(render_all(ctx))
-    for name in ("gateway", "reloader", "feedback", "trainer", "rollout"):  # the container is named as its user
-        assert redis_url_ref(found[name]) == {"name": "demo-redis-urls", "key": name}, name
+    users = {"gateway": gateway_in} | {user: user for user in ("reloader", "feedback", "trainer", "rollout")}
+    for user, name in users.items():  # the container is named as its user, but for the gateway in vLLM's process
+        assert redis_url_ref(found[name]) == {"name": "demo-redis-urls", "key": user}, name
+    assert ("gateway" in found) == (gateway_in == "gateway")
     # without the flag every container still reads the one configured key (an external Redis with one user)
     one = {"auth": {"allowAnonymous": True}, "redis": {"urlSecret": "x"}}
     single = RenderContext(name="demo", namespace=NS, uid=UID, cfg=parse_spec("demo", one))

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from onlinerl.config import from_mapping
+from onlinerl.vllm_flags import IN_PROCESS_GATEWAY
 from onlinerl_operator import constants as c
 from onlinerl_operator.render import RenderContext, render_all
 from onlinerl_operator.spec import parse_spec
@@ -87,8 +88,10 @@ def test_cpu_demo_children() -> None:
     }
     pod = objs[("Deployment", "demo-serving")]["spec"]["template"]["spec"]
     containers = {ct["name"]: ct for ct in pod["containers"]}
-    assert set(containers) == {"vllm", "gateway", "reloader"}
+    # serving.gatewayMode auto on the CPU engine image: the gateway runs in the vllm container's process (issue 40)
+    assert set(containers) == {"vllm", "reloader"}
     vllm = containers["vllm"]
+    assert vllm["args"][vllm["args"].index("--middleware") + 1] == IN_PROCESS_GATEWAY
     assert vllm["image"] == ctx.cfg.images.vllm_cpu
     args = vllm["args"]
     assert args[args.index("--host") + 1] == "127.0.0.1" and args[args.index("--port") + 1] == "8001"
@@ -96,8 +99,7 @@ def test_cpu_demo_children() -> None:
     # vLLM-CPU's worker inside its engine-core process (onlinerl/vllm_flags.py), as the local stack starts it
     assert args[args.index("--distributed-executor-backend") + 1] == "uni"
     assert {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"} in vllm["env"]
-    assert "ports" not in vllm  # the engine is never exposed
-    assert containers["gateway"]["command"] == ["python", "-m", "onlinerl_serving.gateway"]
+    assert [p["containerPort"] for p in vllm["ports"]] == [8000]  # the gateway's; the engine's 8001 is loopback only
     assert containers["reloader"]["command"] == ["python", "-m", "onlinerl_serving.reloader"]
     assert pod["initContainers"][0]["command"][:3] == ["onlinerl", "model", "bootstrap"]
     # Only the gateway port leaves the pod.
@@ -115,11 +117,16 @@ def test_cpu_demo_children() -> None:
     redis_cmd = " ".join(objs[("StatefulSet", "demo-redis")]["spec"]["template"]["spec"]["containers"][0]["command"])
     assert "--appendonly yes" in redis_cmd and "--appendfsync always" in redis_cmd and "noeviction" in redis_cmd
     # Secrets mounted, config passed via ONLINERL_CONFIG
-    env = {e["name"]: e.get("value") for e in containers["gateway"]["env"]}
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
     assert env["ONLINERL_CONFIG"] == "/etc/onlinerl/onlinerl.yaml"
-    assert {"name": "api-keys", "mountPath": "/etc/onlinerl/keys", "readOnly": True} in containers["gateway"][
-        "volumeMounts"
-    ]
+    assert {"name": "api-keys", "mountPath": "/etc/onlinerl/keys", "readOnly": True} in vllm["volumeMounts"]
+    # as its own container when the job asks for it
+    spec = {**SPECS["demo"], "serving": {**SPECS["demo"].get("serving", {}), "gatewayMode": "sidecar"}}
+    sidecar = RenderContext(name="demo", namespace="team-a", uid=UID, cfg=parse_spec("demo", spec))
+    spod = by_kind(render_all(sidecar))[("Deployment", "demo-serving")]["spec"]["template"]["spec"]
+    scont = {ct["name"]: ct for ct in spod["containers"]}
+    assert set(scont) == {"vllm", "gateway", "reloader"} and "ports" not in scont["vllm"]
+    assert scont["gateway"]["command"] == ["python", "-m", "onlinerl_serving.gateway"]
 
 
 def test_config_map_is_a_loadable_component_config() -> None:

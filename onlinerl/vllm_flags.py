@@ -54,7 +54,12 @@ def gateway_mode(cfg: OnlineRLConfig) -> Literal["sidecar", "inProcess"]:
     return "sidecar" if upstream else "inProcess"
 
 
-def gateway_args(cfg: OnlineRLConfig) -> list[str]:
-    """The gateway in vLLM's process (:func:`gateway_mode`): vLLM's API server loads it as its middleware
-    (services/serving/onlinerl_serving/inprocess.py), so the gateway calls vLLM's app without a second hop."""
-    return ["--middleware", IN_PROCESS_GATEWAY] if gateway_mode(cfg) == "inProcess" else []
+def gateway_args(mode: str) -> list[str]:
+    """vLLM's flag for the gateway in its process: its API server loads it as its middleware
+    (services/serving/onlinerl_serving/inprocess.py), so the gateway calls vLLM's app without a second hop.
+
+    ``mode`` is decided by the caller. The operator passes :func:`gateway_mode`. An engine started from this
+    checkout (onlinerl_serving.engine) passes its config's own value, so ``auto`` gets no gateway there: the local
+    stack writes its choice into the config it starts engines with (onlinerl.loop.stack.effective_config), and a
+    config left at ``auto`` is a bare engine that a test, a benchmark or a tool starts for a gateway of its own."""
+    return ["--middleware", IN_PROCESS_GATEWAY] if mode == "inProcess" else []

@@ -344,7 +344,7 @@ def vllm_args(ctx: RenderContext) -> list[str]:
         cfg.model.dtype,
     ]
     args += lora_args(cfg)  # the same LoRA flags as the local stack (onlinerl/vllm_flags.py)
-    args += gateway_args(cfg)  # inProcess: the gateway as vLLM's middleware, as the local stack starts it
+    args += gateway_args(gateway_mode(cfg))  # in vLLM's process: the gateway as its middleware, as the local stack
     if cfg.serving.gpus > 1:
         args += ["--tensor-parallel-size", str(cfg.serving.gpus)]
     if cfg.serving.gpus == 0:

@@ -85,7 +85,7 @@ def test_auto_runs_the_gateway_in_vllms_process_wherever_the_engine_image_can_lo
 ) -> None:
     cfg = from_mapping({"serving": serving, "images": images})
     assert gateway_mode(cfg) == expected
-    assert (MIDDLEWARE[0] in gateway_args(cfg)) == (expected == "inProcess")
+    assert (MIDDLEWARE[0] in gateway_args(gateway_mode(cfg))) == (expected == "inProcess")
 
 
 @pytest.mark.parametrize(("mode", "gateway_in"), [("sidecar", "gateway"), ("inProcess", "vllm")])

@@ -349,6 +349,16 @@ def test_vllm_argv_and_env() -> None:
     assert vllm_env(full, cpu=False)["VLLM_SERVER_DEV_MODE"] == "1"
 
 
+def test_an_engine_runs_the_gateway_inside_only_when_its_config_says_so() -> None:
+    """serving.gatewayMode auto leaves the choice to whoever starts the engine: the local stack writes inProcess or
+    sidecar into the config it starts engines with; a config left at auto starts a bare engine (a test's, a
+    benchmark's) for a gateway of its own."""
+    assert "--middleware" not in vllm_argv(from_mapping({}), "/m", cpu=True)
+    assert "--middleware" not in vllm_argv(from_mapping({"serving": {"gatewayMode": "sidecar"}}), "/m", cpu=True)
+    argv = vllm_argv(from_mapping({"serving": {"gatewayMode": "inProcess"}}), "/m", cpu=True)
+    assert argv[argv.index("--middleware") + 1] == "onlinerl_serving.inprocess.InProcessGateway"
+
+
 def test_exploration_floor_raises_only_lower_temperatures() -> None:
     from onlinerl_serving.requests import CompletionRequest, sampling_record, with_exploration
 

@@ -80,7 +80,7 @@ def vllm_argv(
         "--disable-uvicorn-access-log",
     )
     argv += lora_args(cfg)
-    argv += gateway_args(cfg)
+    argv += gateway_args(cfg.serving.gateway_mode)  # auto: a bare engine; the local stack's config says which
     if cpu:
         argv += CPU_IN_PROCESS_EXECUTOR_ARGS  # before serving.vllmArgs: a user's flag wins
     return argv + list(cfg.serving.vllm_args) + list(BEHAVIOUR_LOGPROBS_ARGS)

@@ -54,7 +54,7 @@ def gateway_mode(cfg: OnlineRLConfig) -> Literal["sidecar", "inProcess"]:
     return "sidecar" if upstream else "inProcess"
 
 
-def gateway_args(mode: str) -> list[str]:
+def gateway_args(mode: Literal["auto", "sidecar", "inProcess"]) -> list[str]:
     """vLLM's flag for the gateway in its process: its API server loads it as its middleware
     (services/serving/onlinerl_serving/inprocess.py), so the gateway calls vLLM's app without a second hop.
 

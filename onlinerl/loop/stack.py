@@ -33,7 +33,6 @@ from onlinerl.procs import Child, StartupError, Supervisor, python_module, stop_
 from onlinerl.redisconn import redacted
 from onlinerl.secretfile import write_secret
 from onlinerl.valkey import EmbeddedValkey, RedisUsers, ensure_users_file
-from onlinerl.vllm_flags import gateway_mode
 
 DEMO_TENANT = "demo"
 # Each local child's Redis user: the gateway and the reloader have their own, as in a Kubernetes serving pod.
@@ -276,8 +275,9 @@ def effective_config(
     """The config every child reads: embedded Redis URL, resolved model folder, local keys and checkpoint paths, and
     ``host`` for the gateway and feedback (their config default, every interface, is a pod's). ``own_engines``: the
     stack starts its vLLMs itself, so unless the config says otherwise each runs its gateway inside its own process
-    (``serving.gatewayMode: inProcess``: no second hop, issue 40); the config's default, ``sidecar``, is a pod's,
-    whose upstream GPU vLLM image lacks onlinerl."""
+    (``serving.gatewayMode: inProcess``: no second hop, issue 40); a vLLM already running (``external_engine``) may
+    be any vLLM, so there ``auto`` is the sidecar. The result always names the mode, as the engines it starts read
+    it (onlinerl.vllm_flags.gateway_args)."""
     data = cfg.dump()
     if cfg.serving.gateway_mode == "auto":  # our own engines can load it; a running one may be any vLLM
         data["serving"]["gatewayMode"] = "inProcess" if own_engines else "sidecar"
@@ -384,14 +384,14 @@ class Stack:
             )
             name = f"vllm{rep.suffix(single)}"
             env = rep.env(single) | engine_cpu_binding(rep.index, len(replicas), cores, environ) | shared
-            if gateway_mode(self.cfg) == "inProcess":  # the gateway runs in this process: its config and user
+            if self.cfg.serving.gateway_mode == "inProcess":  # the gateway runs in this process: its config and user
                 env = self.child_env("gateway") | env
             child = Child(name, argv, self.paths.logs / f"{name}.log", env=env)
             self.children.append(child.start())  # appended first: a failed start is stopped with the rest
             started.append(child)
         for rep, child in zip(replicas, started, strict=True):
             child.wait_healthy(f"http://127.0.0.1:{rep.engine}/v1/models", timeout)
-            if gateway_mode(self.cfg) == "inProcess":
+            if self.cfg.serving.gateway_mode == "inProcess":
                 child.wait_healthy(f"{rep.gateway_url}/healthz", 60)
         return started
 
@@ -411,7 +411,7 @@ class Stack:
         if external_engine:
             if not single:
                 raise ValueError("an external engine serves one replica: serving.replicas must be 1")
-            if gateway_mode(self.cfg) == "inProcess":
+            if self.cfg.serving.gateway_mode == "inProcess":
                 raise ValueError("serving.gatewayMode inProcess runs the gateway inside the vLLM it starts")
             on_step(f"using the running vLLM at {self.cfg.serving.engine_url}")
         else:
@@ -420,7 +420,7 @@ class Stack:
             on_step("vLLM healthy")
         for rep in self.replicas:
             env, sfx = rep.env(single), rep.suffix(single)
-            if gateway_mode(self.cfg) == "sidecar":  # inProcess: it runs inside vLLM, already started
+            if self.cfg.serving.gateway_mode == "sidecar":  # inProcess: it runs inside vLLM, already started
                 self.start_child(
                     f"gateway{sfx}", "onlinerl_serving.gateway", f"{rep.gateway_url}/healthz", 60, env, "gateway"
                 )
